@@ -1,0 +1,55 @@
+"""mvproxy's own exception tree.
+
+Callers above a boundary see only these types, never aiohttp's or cryptography's,
+so the libraries underneath can change without touching every ``except`` clause.
+The CLI turns any ``MvproxyError`` into one clear message and a non-zero exit code;
+nothing in this tree should ever surface as a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MvproxyError(Exception):
+    """Base of every error mvproxy raises on purpose."""
+
+    #: Process exit code when this error ends a command.
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input: where (a YAML path, flag or file) and what."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ConfigError(MvproxyError):
+    """The configuration (file and flags) is invalid; carries every problem found."""
+
+    exit_code = 2
+
+    def __init__(self, source: str, problems: list[Problem]):
+        self.source = source
+        self.problems = list(problems)
+        count = len(self.problems)
+        lines = [f"{source}: {count} problem{'s' if count != 1 else ''}"]
+        lines += [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class PKIError(MvproxyError):
+    """Certificate material is missing, unreadable, expired or inconsistent."""
+
+    exit_code = 2
+
+
+class UsageError(MvproxyError):
+    """The command line is wrong in a way argparse cannot see (e.g. a bad ``--peer``)."""
+
+    exit_code = 2
