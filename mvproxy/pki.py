@@ -1,0 +1,630 @@
+"""Certificates for mvproxy: generating a development PKI and building every SSL context.
+
+This module owns:
+
+* ``init_pki`` — a self-contained development PKI (cluster CA, front-proxy CA, admin
+  client, and per-server serving / peer / front-proxy-client certificates) written
+  with private keys that are never world-readable;
+* ``server_context`` / ``client_context`` — every ``ssl.SSLContext`` mvproxy uses, so TLS
+  policy (TLS 1.2 minimum, verification, ALPN) lives in one place;
+* ``check_certificate`` — problems with certificate files described in words, for
+  ``check-config`` and startup;
+* ``subject_identity`` — the (CN, O...) of a peer's certificate.
+
+It must not: do network I/O, decide who is trusted as a peer (that is ``identity.py``),
+put key material into any message, or let ``ssl``/``cryptography`` exceptions escape —
+callers see ``PKIError`` (or a list of ``Problem``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+import ssl
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from mvproxy.errors import PKIError, Problem
+
+__all__ = [
+    "init_pki",
+    "server_context",
+    "client_context",
+    "check_certificate",
+    "subject_identity",
+]
+
+StrPath = str | os.PathLike[str]
+
+#: Certificates are back-dated by this much so a peer whose clock is slightly behind
+#: does not reject a freshly generated certificate as "not yet valid".
+CLOCK_SKEW = timedelta(minutes=5)
+#: Upper bound for ``days``: far enough for any dev cluster, well inside X.509 dates.
+MAX_DAYS = 36500
+
+CLUSTER_CA_CN = "mvproxy-ca"
+FRONT_PROXY_CA_CN = "front-proxy-ca"
+ADMIN_CN = "kubernetes-admin"
+ADMIN_GROUP = "system:masters"
+APISERVER_CN = "kube-apiserver"
+MVPROXY_CN = "mvproxy"
+PEER_CN = "mvproxy-peer"
+FRONT_PROXY_CLIENT_CN = "front-proxy-client"
+
+#: Names every local serving certificate answers to.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: The in-cluster names of the ``kubernetes`` Service, served by kube-apiserver.
+KUBERNETES_SERVICE_HOSTS = (
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
+
+#: Top-level files of the layout; a server ID may not collide with them.
+TOP_LEVEL_FILES = (
+    "ca.crt",
+    "ca.key",
+    "front-proxy-ca.crt",
+    "front-proxy-ca.key",
+    "admin.crt",
+    "admin.key",
+)
+#: Files in an existing directory that init_pki keeps and ignores when deciding
+#: whether the directory is "empty" (the repository ships ``certs/README.md``).
+PRESERVED_FILES = ("README.md",)
+
+_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+_SERVER_ID_RE = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*$")
+_HOST_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+_HOST_RE = re.compile(rf"^(?:\*\.)?{_HOST_LABEL}(?:\.{_HOST_LABEL})*$")
+
+_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate_server_ids(server_ids: Sequence[str]) -> list[str]:
+    """Server IDs become directory names and DNS SANs, so only DNS subdomain names pass."""
+    if isinstance(server_ids, str):
+        raise PKIError(f"server IDs must be a list of names, not the string {server_ids!r}")
+    ids = list(server_ids)
+    if not ids:
+        raise PKIError("at least one server ID is required (e.g. --server-id apiserver-a)")
+    seen: set[str] = set()
+    for server_id in ids:
+        if not isinstance(server_id, str) or not server_id:
+            raise PKIError(f"invalid server ID {server_id!r}: must be a non-empty name")
+        if len(server_id) > 253 or not _SERVER_ID_RE.match(server_id):
+            raise PKIError(
+                f"invalid server ID {server_id!r}: use lowercase letters, digits, '-' and '.'"
+                " (a DNS subdomain name, e.g. apiserver-a); no '/', '..' or spaces"
+            )
+        if server_id in TOP_LEVEL_FILES:
+            raise PKIError(f"invalid server ID {server_id!r}: clashes with the file {server_id}")
+        if server_id in seen:
+            raise PKIError(f"duplicate server ID {server_id!r}")
+        seen.add(server_id)
+    return ids
+
+
+def _validate_days(days: int) -> int:
+    """Reject lifetimes that would make an already-expired or unrepresentable cert."""
+    if isinstance(days, bool) or not isinstance(days, int):
+        raise PKIError(f"days must be a whole number, got {days!r}")
+    if not 1 <= days <= MAX_DAYS:
+        raise PKIError(f"days must be between 1 and {MAX_DAYS}, got {days}")
+    return days
+
+
+def _general_name(host: str) -> x509.GeneralName:
+    """An entry that parses as an IP address is an IP SAN; anything else a DNS SAN."""
+    if not isinstance(host, str) or not host.strip():
+        raise PKIError(f"invalid host {host!r}: must be a non-empty DNS name or IP address")
+    host = host.strip()
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    if len(host) > 253 or not _HOST_RE.match(host):
+        raise PKIError(f"invalid host {host!r}: not an IP address or a DNS name")
+    return x509.DNSName(host.lower())
+
+
+def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    """SubjectAlternativeName with duplicates removed, first occurrence wins."""
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        name = _general_name(host)
+        if name not in names:
+            names.append(name)
+    return x509.SubjectAlternativeName(names)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """A generated certificate with its private key."""
+
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    """ECDSA P-256: fast to generate and universally supported by TLS stacks."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(common_name: str, organizations: Sequence[str] = ()) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations]
+    attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+    return x509.Name(attrs)
+
+
+def _validity(
+    builder: x509.CertificateBuilder, now: datetime, days: int
+) -> x509.CertificateBuilder:
+    return builder.not_valid_before(now - CLOCK_SKEW).not_valid_after(now + timedelta(days=days))
+
+
+def _make_ca(common_name: str, now: datetime, days: int) -> _Issued:
+    """A self-signed CA that may sign leaves only (path length 0)."""
+    key = _new_key()
+    name = _name(common_name)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    cert = _validity(builder, now, days).sign(key, hashes.SHA256())
+    return _Issued(cert, key)
+
+
+def _make_leaf(
+    issuer: _Issued,
+    common_name: str,
+    usages: Sequence[x509.ObjectIdentifier],
+    now: datetime,
+    days: int,
+    *,
+    organizations: Sequence[str] = (),
+    hosts: Sequence[str] = (),
+) -> _Issued:
+    """A leaf certificate for the given extended key usages, signed by ``issuer``."""
+    key = _new_key()
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name, organizations))
+        .issuer_name(issuer.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            critical=False,
+        )
+    )
+    if hosts:
+        builder = builder.add_extension(_san(hosts), critical=False)
+    cert = _validity(builder, now, days).sign(issuer.key, hashes.SHA256())
+    return _Issued(cert, key)
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    """Create the key file 0600 from the start, so it is never readable by others."""
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    os.chmod(path, 0o644)  # exact mode whatever the umask
+
+
+def _write_pair(directory: Path, stem: str, issued: _Issued) -> list[Path]:
+    cert_path, key_path = directory / f"{stem}.crt", directory / f"{stem}.key"
+    _write_cert(cert_path, issued.cert)
+    _write_key(key_path, issued.key)
+    return [cert_path, key_path]
+
+
+def _server_hosts(server_id: str, hosts: Sequence[str]) -> list[str]:
+    """SANs of mvproxy's serving and peer certificates."""
+    return [*hosts, *LOOPBACK_HOSTS, "kubernetes.default.svc", server_id]
+
+
+def _generate_layout(
+    root: Path, server_ids: Sequence[str], hosts: Sequence[str], days: int
+) -> list[str]:
+    """Write the whole PKI under ``root``; returns paths relative to ``root``."""
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    server_auth, client_auth = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
+    ca = _make_ca(CLUSTER_CA_CN, now, days)
+    front_ca = _make_ca(FRONT_PROXY_CA_CN, now, days)
+    admin = _make_leaf(ca, ADMIN_CN, [client_auth], now, days, organizations=[ADMIN_GROUP])
+
+    written = _write_pair(root, "ca", ca)
+    written += _write_pair(root, "front-proxy-ca", front_ca)
+    written += _write_pair(root, "admin", admin)
+    for server_id in server_ids:
+        sub = root / server_id
+        sub.mkdir()
+        os.chmod(sub, 0o755)
+        apiserver_hosts = [*hosts, *LOOPBACK_HOSTS, *KUBERNETES_SERVICE_HOSTS]
+        mvproxy_hosts = _server_hosts(server_id, hosts)
+        leaves = {
+            "apiserver": _make_leaf(
+                ca, APISERVER_CN, [server_auth], now, days, hosts=apiserver_hosts
+            ),
+            "mvproxy": _make_leaf(ca, MVPROXY_CN, [server_auth], now, days, hosts=mvproxy_hosts),
+            "peer": _make_leaf(
+                ca, PEER_CN, [client_auth, server_auth], now, days, hosts=mvproxy_hosts
+            ),
+            "front-proxy-client": _make_leaf(
+                front_ca, FRONT_PROXY_CLIENT_CN, [client_auth], now, days
+            ),
+        }
+        for stem, issued in leaves.items():
+            written += _write_pair(sub, stem, issued)
+    return [str(p.relative_to(root)) for p in written]
+
+
+def _existing_content(directory: Path) -> list[str]:
+    """Entries init_pki would overwrite; README.md and dotfiles don't count."""
+    return sorted(
+        entry.name
+        for entry in directory.iterdir()
+        if entry.name not in PRESERVED_FILES and not entry.name.startswith(".")
+    )
+
+
+def _swap_into_place(staging: Path, directory: Path) -> None:
+    """Replace ``directory`` by ``staging`` with two renames, restoring it on failure."""
+    if not directory.exists():
+        os.rename(staging, directory)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+    backup.rmdir()
+    os.rename(directory, backup)
+    try:
+        os.rename(staging, directory)
+    except BaseException:
+        os.rename(backup, directory)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def init_pki(
+    directory: StrPath,
+    server_ids: Sequence[str],
+    hosts: Sequence[str] = (),
+    days: int = 365,
+    force: bool = False,
+) -> list[Path]:
+    """Generate a development PKI under ``directory``; returns the files written.
+
+    Everything is generated in a sibling temporary directory and renamed into place, so
+    an error never leaves a half-written PKI behind. An existing directory is only
+    replaced with ``force`` (its README.md and dotfiles are carried over).
+    """
+    directory = Path(directory)
+    ids = _validate_server_ids(server_ids)
+    days = _validate_days(days)
+    if isinstance(hosts, str):
+        raise PKIError(f"hosts must be a list of names, not the string {hosts!r}")
+    hosts = list(hosts)
+    _san(_server_hosts(ids[0], hosts))  # validate hosts before touching the disk
+
+    if directory.exists() and not directory.is_dir():
+        raise PKIError(f"{directory} exists and is not a directory")
+    if directory.is_dir() and not force:
+        existing = _existing_content(directory)
+        if existing:
+            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+            raise PKIError(
+                f"{directory} already contains {shown}; pass --force to overwrite the PKI there"
+            )
+
+    target = directory.absolute()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+    except OSError as e:
+        raise PKIError(f"cannot create {directory}: {e.strerror or e}") from e
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide certificates; keys stay 0600
+        relative = _generate_layout(staging, ids, hosts, days)
+        if directory.is_dir():
+            for name in PRESERVED_FILES:
+                if (directory / name).is_file():
+                    shutil.copy2(directory / name, staging / name)
+            for entry in directory.iterdir():
+                if entry.name.startswith(".") and not (staging / entry.name).exists():
+                    copy = (
+                        shutil.copytree
+                        if entry.is_dir() and not entry.is_symlink()
+                        else shutil.copy2
+                    )
+                    copy(entry, staging / entry.name)
+        _swap_into_place(staging, target)
+    except OSError as e:
+        raise PKIError(f"cannot write PKI to {directory}: {e.strerror or e}") from e
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return [directory / rel for rel in relative]
+
+
+# --------------------------------------------------------------------------- SSL contexts
+
+
+def _require_readable(path: StrPath, what: str) -> None:
+    """Name the missing/unreadable file ourselves: ssl's FileNotFoundError does not."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise PKIError(f"cannot read {what} {path}: {e.strerror or e}") from e
+
+
+def _pem_problem(path: StrPath, kind: str) -> str | None:
+    """Why ``path`` is not a usable PEM ``kind`` ("certificate" or "key"), or None."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    try:
+        if kind == "certificate":
+            x509.load_pem_x509_certificate(data)
+        else:
+            serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        return f"private key {path} is encrypted; mvproxy needs an unencrypted key"
+    except (ValueError, UnsupportedAlgorithm):
+        return f"{path} is not a PEM {'certificate' if kind == 'certificate' else 'private key'}"
+    return None
+
+
+def _load_cert_chain(ctx: ssl.SSLContext, cert_file: StrPath, key_file: StrPath | None) -> None:
+    """load_cert_chain with every failure turned into a PKIError that names the files."""
+    _require_readable(cert_file, "certificate")
+    if key_file is not None:
+        _require_readable(key_file, "private key")
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        key_name = key_file if key_file is not None else cert_file
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise PKIError(f"private key {key_name} does not match certificate {cert_file}") from e
+        detail = _pem_problem(cert_file, "certificate") or (
+            _pem_problem(key_file, "key") if key_file is not None else None
+        )
+        raise PKIError(
+            detail or f"cannot load certificate {cert_file} with key {key_name}: {e.reason or e}"
+        ) from e
+    except OSError as e:
+        raise PKIError(f"cannot load certificate {cert_file} / key {key_file}: {e}") from e
+
+
+def _load_ca(ctx: ssl.SSLContext, ca_file: StrPath, what: str) -> None:
+    _require_readable(ca_file, what)
+    try:
+        ctx.load_verify_locations(cafile=ca_file)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        raise PKIError(f"{what} {ca_file} contains no usable PEM certificate") from e
+
+
+def _base_context(protocol: int) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])  # mvproxy speaks HTTP/1.1 only
+    return ctx
+
+
+def server_context(
+    cert_file: StrPath,
+    key_file: StrPath,
+    client_ca_file: StrPath | None = None,
+    *,
+    require_client_cert: bool = False,
+) -> ssl.SSLContext:
+    """TLS server context; client certificates are verified against ``client_ca_file``.
+
+    Without ``require_client_cert`` a client may still connect without a certificate
+    (bearer tokens), but one it presents must chain to the CA.
+    """
+    if require_client_cert and client_ca_file is None:
+        raise PKIError("requiring client certificates needs a client CA file")
+    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER)
+    _load_cert_chain(ctx, cert_file, key_file)
+    if client_ca_file is not None:
+        _load_ca(ctx, client_ca_file, "client CA file")
+        ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
+    return ctx
+
+
+def client_context(
+    ca_file: StrPath | None = None,
+    cert_file: StrPath | None = None,
+    key_file: StrPath | None = None,
+) -> ssl.SSLContext:
+    """TLS client context that always verifies the server (system trust if no CA file)."""
+    if key_file is not None and cert_file is None:
+        raise PKIError(f"private key {key_file} given without a client certificate")
+    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if ca_file is None:
+        ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    else:
+        _load_ca(ctx, ca_file, "CA file")
+    if cert_file is not None:
+        _load_cert_chain(ctx, cert_file, key_file)
+    return ctx
+
+
+# --------------------------------------------------------------------------- inspection
+
+
+def _format_time(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime(_TIME_FORMAT)
+
+
+def _read_file(path: StrPath) -> tuple[bytes | None, Problem | None]:
+    try:
+        return Path(path).read_bytes(), None
+    except OSError as e:
+        return None, Problem(str(path), f"cannot read: {e.strerror or e}")
+
+
+def _key_problems(cert: x509.Certificate, cert_file: StrPath, key_file: StrPath) -> list[Problem]:
+    data, problem = _read_file(key_file)
+    if problem:
+        return [problem]
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        return [
+            Problem(str(key_file), "private key is encrypted; mvproxy needs an unencrypted key")
+        ]
+    except (ValueError, UnsupportedAlgorithm):
+        return [Problem(str(key_file), "not a PEM private key")]
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        return [Problem(str(key_file), f"private key does not match certificate {cert_file}")]
+    return []
+
+
+def _signed_by_any(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> bool:
+    for ca in cas:
+        if ca.subject != cert.issuer:
+            continue
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+            continue
+        return True
+    return False
+
+
+def _ca_problems(cert: x509.Certificate, cert_file: StrPath, ca_file: StrPath) -> list[Problem]:
+    data, problem = _read_file(ca_file)
+    if problem:
+        return [problem]
+    try:
+        cas = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        return [Problem(str(ca_file), "not a PEM certificate bundle")]
+    if not _signed_by_any(cert, cas):
+        issuer = cert.issuer.rfc4514_string() or "(empty)"
+        return [
+            Problem(
+                str(cert_file),
+                f"not signed by any certificate in {ca_file} (issuer is {issuer})",
+            )
+        ]
+    return []
+
+
+def check_certificate(
+    cert_file: StrPath,
+    *,
+    key_file: StrPath | None = None,
+    ca_file: StrPath | None = None,
+    now: datetime | None = None,
+) -> list[Problem]:
+    """Everything wrong with a certificate (and its key / CA), in words; never raises."""
+    data, problem = _read_file(cert_file)
+    if problem:
+        return [problem]
+    try:
+        cert = x509.load_pem_x509_certificate(data)
+    except ValueError:
+        return [Problem(str(cert_file), "not a PEM certificate")]
+    now = now or datetime.now(timezone.utc)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=timezone.utc)
+    problems: list[Problem] = []
+    if now > cert.not_valid_after_utc:
+        problems.append(
+            Problem(str(cert_file), f"expired on {_format_time(cert.not_valid_after_utc)}")
+        )
+    elif now < cert.not_valid_before_utc:
+        problems.append(
+            Problem(str(cert_file), f"not valid until {_format_time(cert.not_valid_before_utc)}")
+        )
+    if key_file is not None:
+        problems += _key_problems(cert, cert_file, key_file)
+    if ca_file is not None:
+        problems += _ca_problems(cert, cert_file, ca_file)
+    return problems
+
+
+def subject_identity(der_cert: bytes) -> tuple[str, tuple[str, ...]]:
+    """(CN, organisations) of a peer certificate: Kubernetes' user name and groups."""
+    try:
+        cert = x509.load_der_x509_certificate(der_cert)
+    except (ValueError, TypeError) as e:
+        raise PKIError("peer certificate is not valid DER") from e
+    subject = cert.subject
+    common_names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    cn = str(common_names[0].value) if common_names else ""
+    orgs = tuple(str(a.value) for a in subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME))
+    return cn, orgs
