@@ -1,0 +1,73 @@
+"""Log formats, klog verbosity and redaction, as an operator reads them."""
+
+import io
+import json
+import logging
+
+import pytest
+
+from mvproxy import logs
+
+
+@pytest.fixture
+def capture():
+    stream = io.StringIO()
+
+    def configure(fmt="text", verbosity=2):
+        logs.configure(fmt, verbosity, stream=stream)
+        return stream
+
+    yield configure
+    logging.getLogger().handlers[:] = [
+        h for h in logging.getLogger().handlers if not getattr(h, "_mvproxy", False)]
+
+
+def test_text_lines_are_klog_like_with_key_values(capture):
+    out = capture("text")
+    logging.getLogger("mvproxy.polling").info(
+        "peer became unreachable", extra=logs.kv(peer="apiserver-b", failures=3))
+    line = out.getvalue().strip()
+    assert line.startswith("I")
+    assert line.endswith('mvproxy.polling] peer became unreachable peer="apiserver-b" failures=3')
+
+
+def test_json_lines_carry_level_verbosity_logger_and_fields(capture):
+    out = capture("json", verbosity=4)
+    logging.getLogger("mvproxy.routing").log(logs.V(4), "routed", extra=logs.kv(route="peer"))
+    doc = json.loads(out.getvalue())
+    assert doc["level"] == "info" and doc["v"] == 4
+    assert doc["logger"] == "mvproxy.routing" and doc["msg"] == "routed"
+    assert doc["route"] == "peer"
+
+
+@pytest.mark.parametrize("verbosity,shown", [(2, False), (4, True), (10, True)])
+def test_verbosity_hides_higher_v_levels(capture, verbosity, shown):
+    out = capture("text", verbosity)
+    logging.getLogger("mvproxy.routing").log(logs.V(4), "per-request decision")
+    assert ("per-request decision" in out.getvalue()) is shown
+
+
+def test_warnings_and_errors_use_klog_letters(capture):
+    out = capture("text")
+    logging.getLogger("mvproxy.x").warning("w")
+    logging.getLogger("mvproxy.x").error("e")
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("W") and second.startswith("E")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_bearer_tokens_and_private_keys_never_reach_the_log(capture, fmt):
+    out = capture(fmt)
+    secret = "eyJhbGciOiJSUzI1NiJ9.secret-token-value"
+    pem = "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49\n-----END PRIVATE KEY-----"
+    log = logging.getLogger("mvproxy.transport")
+    log.warning("upstream said: Authorization: Bearer %s", secret,
+                extra=logs.kv(authorization=f"Bearer {secret}", detail=pem))
+    try:
+        raise ValueError(f"bad header Bearer {secret}")
+    except ValueError:
+        log.exception("failed")
+    text = out.getvalue()
+    assert secret not in text
+    assert "MIGHAgEAMBMGByqGSM49" not in text
+    assert logs.REDACTED in text
