@@ -1,0 +1,166 @@
+"""Command line: parse arguments and hand off to the module that does the work.
+
+Flag names follow kube-apiserver where it has one; they and the subcommand names are
+a public contract. Every ``MvproxyError`` ends the process with one clear message
+and its exit code (2 for bad input), never with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mvproxy import __version__
+from mvproxy.errors import MvproxyError, UsageError
+
+PROG = "mvproxy"
+
+# flag dest -> YAML path of the same setting; a given flag overrides the file.
+RUN_FLAGS: dict[str, tuple[str, str]] = {
+    "server_id": ("serverID", "stable name of this control-plane member"),
+    "bind_address": ("bindAddress", "IP address of the secure listener (default 0.0.0.0)"),
+    "secure_port": ("securePort", "port of the secure listener (default 6443)"),
+    "tls_cert_file": ("tlsCertFile", "serving certificate of the listener"),
+    "tls_private_key_file": ("tlsPrivateKeyFile", "private key of --tls-cert-file"),
+    "client_ca_file": ("clientCAFile", "CA that verifies downstream client certificates"),
+    "backend_url": ("backend.url", "https URL of the backend kube-apiserver"),
+    "backend_ca_file": ("backend.caFile", "CA that verifies the backend's serving certificate"),
+    "backend_cert_file": ("backend.certFile", "front-proxy client certificate for the backend"),
+    "backend_key_file": ("backend.keyFile", "private key of --backend-cert-file"),
+    "peer_ca_file": ("peer.caFile", "CA that verifies peers (both directions)"),
+    "peer_cert_file": ("peer.certFile", "client certificate presented to peers"),
+    "peer_key_file": ("peer.keyFile", "private key of --peer-cert-file"),
+    "peer_allowed_names": ("peer.allowedNames", "comma-separated peer certificate CNs"),
+    "peer_advertise_url": ("peer.advertiseURL", "URL peers use to reach this mvproxy"),
+    "peers": ("peers.static", "a static peer as ID=URL (repeatable)"),
+    "admin_bind_address": ("admin.bindAddress", "IP address of the admin listener"),
+    "admin_port": ("admin.port", "port of the admin listener (metrics, health)"),
+    "discovery_poll_interval": ("discovery.pollInterval", "e.g. 5s, 500ms"),
+    "verbosity": ("logging.verbosity", "klog-style log verbosity 0..10"),
+    "log_format": ("logging.format", "text or json"),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    for dest, (_, help_text) in RUN_FLAGS.items():
+        if dest == "peers":
+            parser.add_argument("--peer", dest="peers", action="append", metavar="ID=URL",
+                                help=help_text)
+        elif dest == "verbosity":
+            parser.add_argument("-v", "--v", dest="verbosity", type=int, metavar="N",
+                                help=help_text)
+        elif dest == "log_format":
+            parser.add_argument("--log-format", dest="log_format", choices=("text", "json"),
+                                help=help_text)
+        elif dest in ("secure_port", "admin_port"):
+            parser.add_argument(_flag(dest), dest=dest, type=int, metavar="PORT", help=help_text)
+        else:
+            parser.add_argument(_flag(dest), dest=dest, metavar="VALUE", help=help_text)
+
+
+def _parse_peer(text: str) -> dict[str, str]:
+    server_id, sep, url = text.partition("=")
+    if not sep or not server_id or not url:
+        raise UsageError(f"--peer: expected ID=URL, got {text!r}")
+    return {"serverID": server_id, "url": url}
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The flags the user gave, as YAML path -> raw value (what the file would hold)."""
+    overrides: dict[str, object] = {}
+    for dest, (path, _) in RUN_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest == "peers":
+            value = [_parse_peer(item) for item in value]
+        elif dest == "peer_allowed_names":
+            value = [name.strip() for name in value.split(",") if name.strip()]
+        overrides[path] = value
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Mixed Version Proxy sidecar for kube-apiserver.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="run the proxy daemon")
+    run.add_argument("--config", metavar="FILE", help="MvproxyConfiguration YAML file")
+    _add_run_flags(run)
+
+    check = sub.add_parser("check-config", help="validate a configuration file and exit")
+    check.add_argument("config", metavar="FILE")
+    _add_run_flags(check)
+
+    certs = sub.add_parser("certs", help="development PKI")
+    certs_sub = certs.add_subparsers(dest="certs_command", metavar="ACTION", required=True)
+    init = certs_sub.add_parser("init", help="write a kubeadm-like PKI into DIR")
+    init.add_argument("directory", metavar="DIR")
+    init.add_argument("--server-id", dest="server_ids", action="append", required=True,
+                      metavar="ID", help="a control-plane member (repeatable)")
+    init.add_argument("--host", dest="hosts", action="append", default=[],
+                      metavar="NAME_OR_IP", help="extra serving SAN (repeatable)")
+    init.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing DIR")
+
+    sim = sub.add_parser("sim", help="run a simulated kube-apiserver (development)")
+    sim.add_argument("--kubernetes-version", default="1.36", metavar="X.Y",
+                     help="API catalog to serve (1.31 ... 1.37; default 1.36)")
+    sim.add_argument("--server-id", required=True, metavar="ID",
+                     help="serves with DIR/ID/apiserver.crt|key")
+    sim.add_argument("--pki", required=True, metavar="DIR",
+                     help="a `mvproxy certs init` directory")
+    sim.add_argument("--secure-port", type=int, required=True, metavar="PORT")
+    sim.add_argument("--bind-address", default="127.0.0.1", metavar="IP")
+    sim.add_argument("--store", required=True, metavar="PATH",
+                     help="shared SQLite object store (created if missing)")
+    sim.add_argument("--token-auth-file", metavar="FILE",
+                     help="static tokens, kube-apiserver CSV format")
+    sim.add_argument("--audit-log-path", metavar="FILE", help="JSON-lines audit log")
+    sim.add_argument("-v", "--v", dest="verbosity", type=int, default=2, metavar="N")
+    sim.add_argument("--log-format", choices=("text", "json"), default="text")
+
+    demo = sub.add_parser("demo", help="run a mixed-version control plane on loopback")
+    demo.add_argument("--dir", default=".mvproxy-demo", metavar="DIR")
+    demo.add_argument("--versions", default="1.35,1.35,1.36")
+    demo.add_argument("--base-port", type=int, default=16443, metavar="N")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except MvproxyError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    # Imports are local so that `mvproxy --version` and `certs` stay fast and so
+    # that a subcommand's dependencies never load for another.
+    if args.command == "certs":
+        from mvproxy.commands import certs_init
+        return certs_init(args)
+    if args.command == "check-config":
+        from mvproxy.commands import check_config
+        return check_config(args.config, config_overrides(args))
+    if args.command == "run":
+        from mvproxy.commands import run
+        return run(args.config, config_overrides(args))
+    if args.command == "sim":
+        from mvproxy.commands import sim
+        return sim(args)
+    if args.command == "demo":
+        from mvproxy.commands import demo
+        return demo(args)
+    raise UsageError(f"unknown command {args.command!r}")

@@ -1,0 +1,66 @@
+"""What each subcommand does, once ``cli`` has parsed its arguments.
+
+Kept apart from ``cli`` so that argument parsing stays declarative and each command
+imports only what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mvproxy.errors import MvproxyError
+
+
+def certs_init(args: argparse.Namespace) -> int:
+    from mvproxy import pki
+
+    written = pki.init_pki(args.directory, args.server_ids, hosts=args.hosts,
+                           days=args.days, force=args.force)
+    print(f"wrote {len(written)} files to {args.directory}")
+    return 0
+
+
+def load_checked_config(path: str | None, overrides: dict[str, object]):
+    """Load, validate and check the certificate material of a configuration."""
+    from mvproxy import preflight
+    from mvproxy.config import load_config
+
+    cfg = load_config(path, overrides)
+    return preflight.check(cfg, path or "<flags>")
+
+
+def check_config(path: str, overrides: dict[str, object]) -> int:
+    cfg = load_checked_config(path, overrides)
+    print(f"{path}: configuration is valid (serverID {cfg.server_id!r}, "
+          f"{len(cfg.peers)} static peer{'s' if len(cfg.peers) != 1 else ''})")
+    return 0
+
+
+class NotBuiltYet(MvproxyError):
+    """A subcommand whose implementation has not landed yet."""
+
+    exit_code = 3
+
+
+def run(path: str | None, overrides: dict[str, object]) -> int:
+    from mvproxy import logs
+
+    cfg = load_checked_config(path, overrides)
+    logs.configure(cfg.logging.format, cfg.logging.verbosity)
+    raise NotBuiltYet("configuration is valid, but the proxy daemon is not built yet "
+                      "(issue 5: routing and forwarding)")
+
+
+def sim(args: argparse.Namespace) -> int:
+    from mvproxy import logs
+    from mvproxy.devcluster.simserver import run_sim
+
+    logs.configure(args.log_format, args.verbosity)
+    return run_sim(args)
+
+
+def demo(args: argparse.Namespace) -> int:
+    print("mvproxy demo: the mixed-version demo needs the simulated kube-apiserver "
+          "(issue 3) and the proxy (issue 5); neither is built yet.", file=sys.stderr)
+    raise NotBuiltYet("demo is not available yet")

@@ -1,0 +1,144 @@
+"""The command line as an operator meets it: exit codes and the messages printed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mvproxy
+from mvproxy import pki
+
+
+def mvproxy_cmd(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mvproxy", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster_pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki") / "pki"
+    pki.init_pki(directory, ["apiserver-a", "apiserver-b"])
+    return directory
+
+
+def write_config(path: Path, pki_dir: Path, extra: str = "") -> Path:
+    a = pki_dir / "apiserver-a"
+    path.write_text(f"""\
+apiVersion: mvproxy.io/v1alpha1
+kind: MvproxyConfiguration
+serverID: apiserver-a
+tlsCertFile: {a}/mvproxy.crt
+tlsPrivateKeyFile: {a}/mvproxy.key
+clientCAFile: {pki_dir}/ca.crt
+backend:
+  url: https://127.0.0.1:6444
+  caFile: {pki_dir}/ca.crt
+  certFile: {a}/front-proxy-client.crt
+  keyFile: {a}/front-proxy-client.key
+peer: {{caFile: {pki_dir}/ca.crt, certFile: {a}/peer.crt, keyFile: {a}/peer.key}}
+peers: {{static: [{{serverID: apiserver-b, url: "https://127.0.0.2:6443"}}]}}
+{extra}""")
+    return path
+
+
+def assert_clean_failure(result, code=2):
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_version_is_printed_by_console_script_and_module():
+    result = mvproxy_cmd("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"mvproxy {mvproxy.__version__}"
+
+
+def test_no_command_is_a_usage_error():
+    result = mvproxy_cmd()
+    assert_clean_failure(result)
+    assert "usage: mvproxy" in result.stderr
+
+
+def test_check_config_accepts_a_good_file(tmp_path, cluster_pki):
+    result = mvproxy_cmd("check-config", str(write_config(tmp_path / "c.yaml", cluster_pki)))
+    assert result.returncode == 0, result.stderr
+    assert "configuration is valid" in result.stdout
+
+
+def test_check_config_reports_three_mistakes_at_once(tmp_path, cluster_pki):
+    config = write_config(tmp_path / "c.yaml", cluster_pki,
+                          "securePort: 70000\ndiscovery: {pollIntervall: 5s}\n")
+    config.write_text(config.read_text().replace("https://127.0.0.1:6444",
+                                                 "http://127.0.0.1:6444"))
+    result = mvproxy_cmd("check-config", str(config))
+    assert_clean_failure(result)
+    assert "3 problems" in result.stderr
+    assert "securePort: must be between 1 and 65535, got 70000" in result.stderr
+    assert "backend.url: must be an https:// URL, got 'http://127.0.0.1:6444'" in result.stderr
+    assert "discovery.pollIntervall: unknown key (did you mean 'pollInterval'?)" in result.stderr
+
+
+def test_flags_override_the_file_and_are_validated(tmp_path, cluster_pki):
+    config = str(write_config(tmp_path / "c.yaml", cluster_pki))
+    result = mvproxy_cmd("check-config", config, "--backend-url", "ftp://x",
+                         "--discovery-poll-interval", "soon")
+    assert_clean_failure(result)
+    assert "backend.url: must be an https:// URL, got 'ftp://x'" in result.stderr
+    assert "discovery.pollInterval:" in result.stderr
+
+
+def test_a_key_that_does_not_match_its_certificate_names_both_files(tmp_path, cluster_pki):
+    config = write_config(tmp_path / "c.yaml", cluster_pki)
+    wrong_key = cluster_pki / "apiserver-b" / "peer.key"
+    config.write_text(config.read_text().replace(
+        str(cluster_pki / "apiserver-a" / "peer.key"), str(wrong_key)))
+    result = mvproxy_cmd("check-config", str(config))
+    assert_clean_failure(result)
+    assert "peer.certFile:" in result.stderr
+    assert f"{wrong_key}: private key does not match certificate" in result.stderr
+
+
+def test_a_certificate_not_signed_by_the_peer_ca_is_reported(tmp_path, cluster_pki):
+    config = write_config(tmp_path / "c.yaml", cluster_pki)
+    config.write_text(config.read_text().replace(
+        f"peer: {{caFile: {cluster_pki}/ca.crt", f"peer: {{caFile: {cluster_pki}/front-proxy-ca.crt"))
+    result = mvproxy_cmd("check-config", str(config))
+    assert_clean_failure(result)
+    assert "peer.certFile:" in result.stderr and "not signed" in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check-config", "missing.yaml"], "missing.yaml: cannot read the configuration file"),
+    (["check-config", "{config}", "--peer", "apiserver-b"], "--peer: expected ID=URL"),
+    (["check-config", "{config}", "--secure-port", "abc"], "invalid int value: 'abc'"),
+    (["certs", "init", "{tmp}/p"], "--server-id"),
+    (["certs", "init", "{tmp}/p", "--server-id", "Bad/ID"], "Bad/ID"),
+    (["certs", "init", "{tmp}/p", "--server-id", "a", "--days", "0"], "days"),
+], ids=["missing config file", "peer without URL", "port not a number",
+        "certs init without server id", "certs init with a bad server id",
+        "certs init with zero days"])
+def test_misuse_gets_one_clear_message_and_exit_2(tmp_path, cluster_pki, args, message):
+    config = str(write_config(tmp_path / "c.yaml", cluster_pki))
+    args = [a.format(config=config, tmp=tmp_path) for a in args]
+    result = mvproxy_cmd(*args, cwd=tmp_path)
+    assert_clean_failure(result)
+    assert message in result.stderr
+
+
+def test_certs_init_writes_the_layout_and_refuses_to_overwrite(tmp_path):
+    target = tmp_path / "pki"
+    first = mvproxy_cmd("certs", "init", str(target), "--server-id", "apiserver-a")
+    assert first.returncode == 0, first.stderr
+    assert (target / "apiserver-a" / "peer.crt").is_file()
+    again = mvproxy_cmd("certs", "init", str(target), "--server-id", "apiserver-a")
+    assert_clean_failure(again)
+    assert "--force" in again.stderr
+    forced = mvproxy_cmd("certs", "init", str(target), "--server-id", "apiserver-a", "--force")
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_run_with_an_invalid_configuration_exits_2_before_listening(tmp_path, cluster_pki):
+    config = str(write_config(tmp_path / "c.yaml", cluster_pki, "admin: {port: -1}\n"))
+    result = mvproxy_cmd("run", "--config", config)
+    assert_clean_failure(result)
+    assert "admin.port" in result.stderr
