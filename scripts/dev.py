@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""The README's two commands: ``dev.py demo`` and ``dev.py test``.
+
+Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
+``$MVPROXY_VENV``), installs the project with its test extra into it when
+``pyproject.toml`` changed since the last install, then runs the command there.
+Extra arguments go to ``mvproxy demo`` or to pytest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("MVPROXY_VENV", ROOT / ".venv"))
+STAMP = VENV / ".mvproxy-installed"
+
+
+def _bin(name: str) -> Path:
+    return VENV / "bin" / name
+
+
+def _wanted_stamp() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def ensure_env() -> None:
+    """Create the virtual environment and install the project, if not done already."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"mvproxy needs Python 3.11 or newer, this is {sys.version.split()[0]}")
+    if not _bin("python").exists():
+        print(f"dev.py: creating virtual environment {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    if STAMP.exists() and STAMP.read_text() == _wanted_stamp():
+        return
+    print("dev.py: installing mvproxy and its test dependencies", flush=True)
+    pip = [str(_bin("python")), "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["install", "-e", f"{ROOT}[test]"], check=True)
+    STAMP.write_text(_wanted_stamp())
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("demo", "test"):
+        print("usage: python3 scripts/dev.py demo|test [ARGS...]", file=sys.stderr)
+        return 2
+    ensure_env()
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        cmd = [str(_bin("mvproxy")), "demo", *rest]
+    else:
+        cmd = [str(_bin("python")), "-m", "pytest", *rest]
+    os.chdir(ROOT)
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
