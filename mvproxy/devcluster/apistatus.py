@@ -1,0 +1,138 @@
+"""Kubernetes ``Status`` error bodies, as kube-apiserver writes them.
+
+kubectl and client-go parse these to print "Error from server (NotFound): ...", so
+every error the simulated API server returns goes through here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+REASONS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    406: "NotAcceptable",
+    409: "AlreadyExists",
+    410: "Expired",
+    415: "UnsupportedMediaType",
+    422: "Invalid",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+}
+
+
+def status_body(code: int, message: str, *, reason: str | None = None,
+                details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``metav1.Status`` failure object."""
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason or REASONS.get(code, ""),
+        "code": code,
+    }
+    if details:
+        body["details"] = details
+    return body
+
+
+def status_response(code: int, message: str, *, reason: str | None = None,
+                    details: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None) -> web.Response:
+    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
+    body = status_body(code, message, reason=reason, details=details)
+    return _json(code, body, headers)
+
+
+def _json(code: int, body: dict[str, Any], headers: dict[str, str] | None = None
+          ) -> web.Response:
+    # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
+    return web.Response(status=code, body=json.dumps(body).encode(),
+                        headers={**(headers or {}), "Content-Type": "application/json"})
+
+
+def not_found(group: str, resource: str, name: str) -> web.Response:
+    """kube's wording: ``pods "x" not found`` (``deployments.apps "x" not found``)."""
+    qualified = f"{resource}.{group}" if group else resource
+    return status_response(404, f'{qualified} "{name}" not found',
+                           details={"name": name, "group": group, "kind": resource})
+
+
+# --- kube-apiserver's common failures, worded as apimachinery's ``errors`` package does ---
+
+
+def qualified(group: str, resource: str) -> str:
+    """``pods`` for core, ``deployments.apps`` otherwise: how kube names a resource."""
+    return f"{resource}.{group}" if group else resource
+
+
+def _details(group: str, resource: str, name: str) -> dict[str, Any]:
+    # StatusDetails fields are omitempty in kube: core resources carry no "group".
+    details: dict[str, Any] = {"name": name} if name else {}
+    if group:
+        details["group"] = group
+    details["kind"] = resource
+    return details
+
+
+def object_not_found(group: str, resource: str, name: str) -> web.Response:
+    """``pods "x" not found`` with kube's omitempty details (no empty group)."""
+    return status_response(404, f'{qualified(group, resource)} "{name}" not found',
+                           details=_details(group, resource, name))
+
+
+def path_not_found() -> web.Response:
+    """An unknown group, version, resource or path: kube's generic 404 (``details: {}``)."""
+    body = status_body(404, "the server could not find the requested resource")
+    body["details"] = {}
+    return _json(404, body)
+
+
+def already_exists(group: str, resource: str, name: str) -> web.Response:
+    return status_response(409, f'{qualified(group, resource)} "{name}" already exists',
+                           details=_details(group, resource, name))
+
+
+def conflict(group: str, resource: str, name: str, why: str) -> web.Response:
+    """Optimistic-locking failure; ``why`` is kube's explanation after the colon."""
+    message = f'Operation cannot be fulfilled on {qualified(group, resource)} "{name}": {why}'
+    return status_response(409, message, reason="Conflict",
+                           details=_details(group, resource, name))
+
+
+OBJECT_MODIFIED = ("the object has been modified; please apply your changes to the latest "
+                   "version and try again")
+
+
+def bad_request(message: str) -> web.Response:
+    return status_response(400, message)
+
+
+def invalid(group: str, resource: str, kind: str, name: str, message: str) -> web.Response:
+    """422 Invalid, as admission/validation failures read: ``Pod "x" is invalid: ...``."""
+    return status_response(422, f'{kind} "{name}" is invalid: {message}',
+                           details=_details(group, resource, name))
+
+
+def method_not_allowed() -> web.Response:
+    body = status_body(405, "the server does not allow this method on the requested resource")
+    body["details"] = {}
+    return _json(405, body)
+
+
+def not_acceptable(accepted: str = "application/json") -> web.Response:
+    return status_response(406, f"only the following media types are accepted: {accepted}")
+
+
+def unsupported_media_type(accepted: str = "application/json, application/yaml") -> web.Response:
+    return status_response(
+        415, "the body of the request was in an unknown format - accepted media types "
+             f"include: {accepted}")
