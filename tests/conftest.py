@@ -1,0 +1,69 @@
+"""Shared pytest fixtures. Keep each fixture in its own clearly marked section."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# --------------------------------------------------------------------------- kubectl
+# A real kubectl (pinned, downloaded once into <repo>/.tools; see tests/kubectl.py).
+
+KubectlRunner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+class KubectlFailed(AssertionError):
+    """kubectl exited non-zero where the test expected success; shows what it printed."""
+
+
+def kubectl_env(home: Path) -> dict[str, str]:
+    """The user's environment minus anything that could point kubectl elsewhere."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KUBECONFIG", "KUBECACHEDIR") and not k.startswith("KUBECTL_")}
+    env["HOME"] = str(home)  # no ~/.kube/config or plugin of the machine leaks in
+    return env
+
+
+@pytest.fixture(scope="session")
+def kubectl_path() -> Path:
+    from kubectl import kubectl_binary  # tests/kubectl.py (tests/ is on sys.path)
+
+    return kubectl_binary("1.36")
+
+
+@pytest.fixture(scope="session")
+def kubectl(kubectl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> KubectlRunner:
+    """``kubectl(*args, kubeconfig=..., context=None, timeout=60, check=True)``.
+
+    Runs the real kubectl 1.36 with text output. Its discovery cache lives next to the
+    kubeconfig (``<dir>/kubectl-cache``), so clusters of different test modules that
+    happen to reuse a port never see each other's cached discovery.
+    """
+    env = kubectl_env(tmp_path_factory.mktemp("kubectl-home"))
+
+    def argv(*args: str, kubeconfig: str | os.PathLike[str],
+             context: str | None = None) -> list[str]:
+        cmd = [str(kubectl_path), "--kubeconfig", str(kubeconfig),
+               "--cache-dir", str(Path(kubeconfig).parent / "kubectl-cache")]
+        if context is not None:
+            cmd += ["--context", context]
+        return cmd + [str(a) for a in args]
+
+    def run(*args: str, kubeconfig: str | os.PathLike[str], context: str | None = None,
+            timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = argv(*args, kubeconfig=kubeconfig, context=context)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=env, stdin=subprocess.DEVNULL, check=False)
+        if check and done.returncode != 0:
+            raise KubectlFailed(
+                f"{' '.join(cmd[1:])} exited {done.returncode}\n"
+                f"--- stdout\n{done.stdout}--- stderr\n{done.stderr}")
+        return done
+
+    # For tests that need a long-running kubectl (Popen), e.g. a watch:
+    run.argv = argv  # type: ignore[attr-defined]
+    run.env = env  # type: ignore[attr-defined]
+    return run
