@@ -552,7 +552,8 @@ def _key_problems(cert: x509.Certificate, cert_file: StrPath, key_file: StrPath)
     return []
 
 
-def _signed_by_any(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> bool:
+def issued_by_any(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> bool:
+    """Whether one of ``cas`` directly signed ``cert`` (name and signature both match)."""
     for ca in cas:
         if ca.subject != cert.issuer:
             continue
@@ -564,6 +565,16 @@ def _signed_by_any(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> b
     return False
 
 
+def load_ca_bundle(path: StrPath, what: str) -> tuple[x509.Certificate, ...]:
+    """Every certificate in a PEM bundle; PKIError naming ``what`` and the file otherwise."""
+    try:
+        return tuple(x509.load_pem_x509_certificates(Path(path).read_bytes()))
+    except OSError as exc:
+        raise PKIError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise PKIError(f"{what} {path} is not a PEM certificate bundle") from exc
+
+
 def _ca_problems(cert: x509.Certificate, cert_file: StrPath, ca_file: StrPath) -> list[Problem]:
     data, problem = _read_file(ca_file)
     if problem:
@@ -572,7 +583,7 @@ def _ca_problems(cert: x509.Certificate, cert_file: StrPath, ca_file: StrPath) -
         cas = x509.load_pem_x509_certificates(data)
     except ValueError:
         return [Problem(str(ca_file), "not a PEM certificate bundle")]
-    if not _signed_by_any(cert, cas):
+    if not issued_by_any(cert, cas):
         issuer = cert.issuer.rfc4514_string() or "(empty)"
         return [
             Problem(

@@ -586,7 +586,7 @@ async def test_protobuf_create(client):
     assert response.status == 201
     assert response.headers["Content-Type"] == "application/json"
     assert (await response.json())["metadata"]["name"] == "x"
-    response = await client.post(f"/api/v1/namespaces/default/secrets", data=SECRET_PB,
+    response = await client.post("/api/v1/namespaces/default/secrets", data=SECRET_PB,
                                  headers={"Content-Type": PROTOBUF})
     secret = await response.json()
     assert secret["type"] == "Opaque" and secret["data"] == {"a": "Yg=="}

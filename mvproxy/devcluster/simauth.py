@@ -32,11 +32,11 @@ from urllib.parse import unquote
 
 from aiohttp import web
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.x509.oid import NameOID
 
 from mvproxy.devcluster.apistatus import status_response
-from mvproxy.errors import ConfigError, PKIError, Problem
+from mvproxy.errors import ConfigError, Problem
+from mvproxy.pki import issued_by_any, load_ca_bundle
 from mvproxy.requestinfo import RequestInfo, parse_request_info
 
 __all__ = [
@@ -116,16 +116,6 @@ _Result = UserInfo | _Rejected | None
 # --------------------------------------------------------------------------- loading
 
 
-def _load_cas(path: StrPath, what: str) -> tuple[x509.Certificate, ...]:
-    try:
-        cas = x509.load_pem_x509_certificates(Path(path).read_bytes())
-    except OSError as e:
-        raise PKIError(f"cannot read {what} {path}: {e.strerror or e}") from e
-    except ValueError as e:
-        raise PKIError(f"{what} {path} is not a PEM certificate bundle") from e
-    return tuple(cas)
-
-
 def load_token_file(path: StrPath) -> dict[str, UserInfo]:
     """Parse a ``--token-auth-file`` CSV: ``token,user,uid[,"group1,group2"]``.
 
@@ -156,18 +146,6 @@ def load_token_file(path: StrPath) -> dict[str, UserInfo]:
 
 
 # --------------------------------------------------------------------------- authentication
-
-
-def _issued_by(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> bool:
-    for ca in cas:
-        if ca.subject != cert.issuer:
-            continue
-        try:
-            cert.verify_directly_issued_by(ca)
-        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
-            continue
-        return True
-    return False
 
 
 def _common_name(cert: x509.Certificate) -> str:
@@ -218,8 +196,8 @@ class Authenticator:
                    ) -> Authenticator:
         """Load the CAs (and static tokens); every problem is a clear startup error."""
         return cls(
-            _load_cas(ca_file, "client CA file"),
-            _load_cas(front_proxy_ca_file, "requestheader client CA file"),
+            load_ca_bundle(ca_file, "client CA file"),
+            load_ca_bundle(front_proxy_ca_file, "requestheader client CA file"),
             MappingProxyType(load_token_file(token_file) if token_file else {}),
             tuple(requestheader_allowed_names),
         )
@@ -244,7 +222,7 @@ class Authenticator:
         """X-Remote-* from an allowed front-proxy client; kube errors on any other cert."""
         if cert is None:
             return None
-        if not _issued_by(cert, self.front_proxy_cas):
+        if not issued_by_any(cert, self.front_proxy_cas):
             return REJECTED
         allowed = self.requestheader_allowed_names
         if allowed and _common_name(cert) not in allowed:
@@ -259,7 +237,7 @@ class Authenticator:
         """CN is the user, O the groups (kube's x509 authenticator)."""
         if cert is None:
             return None
-        if not _issued_by(cert, self.cluster_cas):
+        if not issued_by_any(cert, self.cluster_cas):
             return REJECTED
         cn = _common_name(cert)
         if not cn:
