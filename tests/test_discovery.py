@@ -1,0 +1,446 @@
+"""Discovery documents: parsing, the served-resource index, rendering, ETags, negotiation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from mvproxy.devcluster import catalog, discoverydocs
+from mvproxy.discovery import (
+    AGGREGATED_V2,
+    AGGREGATED_V2BETA1,
+    API_VERSION_V2,
+    API_VERSION_V2BETA1,
+    PEER_ACCEPT,
+    DiscoveryFormatError,
+    Negotiated,
+    Snapshot,
+    etag,
+    merge,
+    negotiate,
+    parse_aggregated,
+    render_aggregated,
+    render_api_group_list,
+    render_api_versions,
+    snapshot_from_documents,
+)
+from mvproxy.errors import MvproxyError
+
+MAX_BYTES = 1 << 20
+RELEASES = catalog.available_versions()
+OBSERVED = Path(__file__).resolve().parents[2] / "shared/kubectl-requests/observed-requests.jsonl"
+
+
+def body(doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def release_doc(version: str, *, core: bool, api_version: str = API_VERSION_V2) -> dict:
+    return discoverydocs.aggregated(catalog.load_catalog(version), core=core,
+                                    api_version=api_version)
+
+
+def release_snapshot(version: str) -> Snapshot:
+    return snapshot_from_documents(body(release_doc(version, core=True)),
+                                   body(release_doc(version, core=False)), max_bytes=MAX_BYTES)
+
+
+def small_doc() -> dict:
+    deployments = {"resource": "deployments", "scope": "Namespaced",
+                   "singularResource": "deployment",
+                   "responseKind": {"group": "", "version": "", "kind": "Deployment"},
+                   "verbs": ["get", "list"],
+                   "subresources": [{"subresource": "scale", "verbs": ["get", "update"]}]}
+    apps = {"metadata": {"name": "apps"},
+            "versions": [{"version": "v1", "resources": [deployments], "freshness": "Current"}]}
+    return {"kind": "APIGroupDiscoveryList", "apiVersion": API_VERSION_V2, "metadata": {},
+            "items": [apps]}
+
+
+# --------------------------------------------------------------------------- parsing: accepted
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("api_version", [API_VERSION_V2, API_VERSION_V2BETA1])
+def test_real_release_documents_parse(version, api_version):
+    for core in (True, False):
+        doc = release_doc(version, core=core, api_version=api_version)
+        assert parse_aggregated(body(doc), max_bytes=MAX_BYTES) == tuple(doc["items"])
+
+
+def test_null_creation_timestamp_and_unknown_fields_are_kept():
+    doc = small_doc()
+    group = doc["items"][0]
+    group["metadata"]["creationTimestamp"] = None  # documents up to early 1.33 carry it
+    group["futureField"] = {"x": 1}
+    group["versions"][0]["resources"][0]["futureField"] = [1, 2]
+    (parsed,) = parse_aggregated(body(doc), max_bytes=MAX_BYTES)
+    assert parsed == group
+    assert json.loads(render_aggregated([parsed]))["items"] == [group]
+
+
+def test_empty_lists_omitted_or_null_as_go_writes_them_are_accepted():
+    # An APIService that is down: kube-aggregator lists its version with no resources.
+    doc = small_doc()
+    doc["items"] += [{"metadata": {"name": "metrics.k8s.io"},
+                      "versions": [{"version": "v1beta1", "freshness": "Stale"}]},
+                     {"metadata": {"name": "empty.example.com"}, "versions": None}]
+    doc["items"][0]["versions"][0]["resources"][0]["verbs"] = None
+    snapshot = Snapshot(groups=parse_aggregated(body(doc), max_bytes=MAX_BYTES))
+    assert snapshot.serves_group_version("metrics.k8s.io", "v1beta1")
+    assert snapshot.serves("apps", "v1", "deployments", "scale")
+
+
+# --------------------------------------------------------------------------- parsing: rejected
+
+def broken(change) -> bytes:
+    doc = small_doc()
+    change(doc)
+    return body(doc)
+
+
+def _apps(doc: dict) -> dict:
+    return doc["items"][0]
+
+
+def _v1(doc: dict) -> dict:
+    return _apps(doc)["versions"][0]
+
+
+def _deployments(doc: dict) -> dict:
+    return _v1(doc)["resources"][0]
+
+
+GARBAGE = [
+    pytest.param(b"<html>502 Bad Gateway</html>", "document: not JSON", id="an HTML error page"),
+    pytest.param(b"\xff\xfe\x00\x01", "document: not JSON", id="binary noise"),
+    pytest.param(b'{"kind": NaN}', "document: not JSON", id="NaN, which Go never writes"),
+    pytest.param(b"[]", "document: the document must be an object", id="a JSON list"),
+    pytest.param(body({"kind": "APIGroupList", "apiVersion": "v1", "groups": []}),
+                 "kind must be 'APIGroupDiscoveryList', got \"APIGroupList\"",
+                 id="a legacy APIGroupList"),
+    pytest.param(broken(lambda d: d.update(apiVersion="v1")), "apiVersion must be",
+                 id="an unknown apiVersion"),
+    pytest.param(broken(lambda d: d.update(items={})), "'items' must be a list",
+                 id="items not a list"),
+    pytest.param(broken(lambda d: d.update(items=["apps"])), "items[0]: a group must be an object",
+                 id="a group that is not an object"),
+    pytest.param(broken(lambda d: _apps(d).pop("metadata")),
+                 "items[0]: 'metadata' must be an object, got null", id="a group without metadata"),
+    pytest.param(broken(lambda d: _apps(d)["metadata"].update(name=5)),
+                 "'metadata.name' must be a string, got 5", id="a group name that is not a string"),
+    pytest.param(broken(lambda d: _apps(d).update(versions={"v1": {}})),
+                 "items[0](apps): 'versions' must be a list", id="versions not a list"),
+    pytest.param(broken(lambda d: _v1(d).pop("version")),
+                 "items[0](apps).versions[0]: 'version' must be a string, got null",
+                 id="a version without a name"),
+    pytest.param(broken(lambda d: _v1(d).update(freshness=1)), "'freshness' must be a string",
+                 id="freshness not a string"),
+    pytest.param(broken(lambda d: _v1(d).update(resources="deployments")),
+                 "items[0](apps).versions[0](v1): 'resources' must be a list",
+                 id="resources not a list"),
+    pytest.param(broken(lambda d: _deployments(d).pop("resource")),
+                 "items[0](apps).versions[0](v1).resources[0]: 'resource' must be a string",
+                 id="a resource without a name"),
+    pytest.param(broken(lambda d: _deployments(d).update(resource="")),
+                 "'resource' must not be empty", id="a resource with an empty name"),
+    pytest.param(broken(lambda d: _deployments(d).pop("verbs")),
+                 "resources[0](deployments): missing 'verbs'", id="a resource without verbs"),
+    pytest.param(broken(lambda d: _deployments(d).update(verbs=["get", 7])),
+                 "each verb must be a string, got 7", id="a verb that is not a string"),
+    pytest.param(broken(lambda d: _deployments(d)["subresources"][0].pop("subresource")),
+                 "resources[0](deployments).subresources[0]: 'subresource' must be a string",
+                 id="a subresource without a name"),
+    pytest.param(broken(lambda d: d["items"].append(copy.deepcopy(_apps(d)))),
+                 "document: group \"apps\" is listed twice", id="a duplicate group"),
+    pytest.param(broken(lambda d: _apps(d)["versions"].append(copy.deepcopy(_v1(d)))),
+                 "items[0](apps): version \"v1\" is listed twice", id="a duplicate version"),
+    pytest.param(broken(lambda d: _v1(d)["resources"].append(copy.deepcopy(_deployments(d)))),
+                 "items[0](apps).versions[0](v1): resource \"deployments\" is listed twice",
+                 id="a duplicate resource"),
+]
+
+
+@pytest.mark.parametrize(("raw", "message"), GARBAGE)
+def test_garbage_is_rejected_saying_what_and_where(raw, message):
+    with pytest.raises(DiscoveryFormatError) as caught:
+        parse_aggregated(raw, max_bytes=MAX_BYTES)
+    assert message in str(caught.value)
+
+
+def test_size_is_checked_before_parsing():
+    with pytest.raises(DiscoveryFormatError, match="101 bytes is over the 100-byte limit"):
+        parse_aggregated(b"x" * 101, max_bytes=100)
+
+
+def test_a_valid_document_over_the_limit_is_rejected():
+    raw = body(small_doc())
+    assert parse_aggregated(raw, max_bytes=len(raw))
+    with pytest.raises(DiscoveryFormatError, match="limit"):
+        parse_aggregated(raw, max_bytes=len(raw) - 1)
+
+
+HUGE = "K" * 100_000
+
+
+@pytest.mark.parametrize("raw", [
+    pytest.param(body({"kind": HUGE, "apiVersion": API_VERSION_V2, "items": []}), id="kind"),
+    pytest.param(broken(lambda d: _apps(d).update(versions=[HUGE])), id="a version"),
+    pytest.param(broken(lambda d: _apps(d)["metadata"].update(name=HUGE) or
+                        _v1(d).update(resources=1)), id="a group name in the location"),
+])
+def test_huge_bad_values_are_not_echoed(raw):
+    with pytest.raises(DiscoveryFormatError) as caught:
+        parse_aggregated(raw, max_bytes=MAX_BYTES)
+    assert len(str(caught.value)) < 200
+
+
+def test_format_errors_are_mvproxy_errors_and_value_errors():
+    assert issubclass(DiscoveryFormatError, MvproxyError)
+    assert issubclass(DiscoveryFormatError, ValueError)
+
+
+def test_documents_for_the_wrong_path_are_rejected():
+    core, apis = body(release_doc("1.36", core=True)), body(release_doc("1.36", core=False))
+    with pytest.raises(DiscoveryFormatError, match=r"^/api: lists a named group"):
+        snapshot_from_documents(apis, apis, max_bytes=MAX_BYTES)
+    with pytest.raises(DiscoveryFormatError, match=r"^/apis: lists the core group"):
+        snapshot_from_documents(core, core, max_bytes=MAX_BYTES)
+
+
+def test_parse_errors_name_the_path():
+    with pytest.raises(DiscoveryFormatError, match=r"^/apis document: not JSON"):
+        snapshot_from_documents(body(release_doc("1.36", core=True)), b"oops", max_bytes=MAX_BYTES)
+
+
+# --------------------------------------------------------------------------- what a server serves
+
+@pytest.mark.parametrize(("version", "gvr", "expected"), [
+    pytest.param("1.36", ("", "v1", "pods", ""), True, id="core pods"),
+    pytest.param("1.36", ("", "v1", "pods", "status"), True, id="core pods/status"),
+    pytest.param("1.36", ("", "v1", "pods", "eviction"), True, id="core pods/eviction"),
+    # The catalogs' core group comes from one legacy /api/v1 document without resize.
+    pytest.param("1.36", ("", "v1", "pods", "resize"), False, id="core pods/resize not listed"),
+    pytest.param("1.36", ("apps", "v1", "deployments", "scale"), True, id="apps deployments/scale"),
+    pytest.param("1.34", ("resource.k8s.io", "v1alpha3", "devicetaintrules", ""), True,
+                 id="1.34 serves devicetaintrules"),
+    pytest.param("1.34", ("resource.k8s.io", "v1alpha3", "devicetaintrules", "status"), False,
+                 id="1.34 lacks devicetaintrules/status"),
+    pytest.param("1.35", ("resource.k8s.io", "v1alpha3", "devicetaintrules", "status"), True,
+                 id="1.35 adds devicetaintrules/status"),
+    pytest.param("1.36", ("storage.k8s.io", "v1", "csinodes", "status"), False,
+                 id="1.36 lacks csinodes/status"),
+    pytest.param("1.37", ("storage.k8s.io", "v1", "csinodes", "status"), True,
+                 id="1.37 adds csinodes/status"),
+    pytest.param("1.36", ("apps", "v2", "deployments", ""), False, id="unknown version"),
+    pytest.param("1.36", ("", "v1", "deployments", ""), False, id="resource of another group"),
+    pytest.param("1.36", ("apps", "v1", "deployments", "nosuch"), False, id="unknown subresource"),
+])
+def test_snapshot_serves(version, gvr, expected):
+    assert release_snapshot(version).serves(*gvr) is expected
+
+
+@pytest.mark.parametrize(("version", "group", "group_version", "expected"), [
+    pytest.param("1.35", "scheduling.k8s.io", "v1alpha1", True, id="1.35 serves v1alpha1"),
+    pytest.param("1.36", "scheduling.k8s.io", "v1alpha1", False, id="1.36 dropped it"),
+    pytest.param("1.36", "scheduling.k8s.io", "v1alpha2", True, id="1.36 serves v1alpha2"),
+    pytest.param("1.36", "lifecycle.k8s.io", "v1alpha1", False, id="1.36 lacks lifecycle"),
+    pytest.param("1.37", "lifecycle.k8s.io", "v1alpha1", True, id="1.37 has lifecycle"),
+    pytest.param("1.36", "", "v1", True, id="core v1"),
+])
+def test_snapshot_serves_group_version(version, group, group_version, expected):
+    assert release_snapshot(version).serves_group_version(group, group_version) is expected
+
+
+def test_snapshot_indexes_agree_with_the_catalog():
+    release_catalog = catalog.load_catalog("1.37")
+    expected = {(g.name, v.version, r.resource) for g in release_catalog.groups
+                for v in g.versions for r in v.resources}
+    assert release_snapshot("1.37").gvrs == expected
+
+
+def test_an_empty_snapshot_serves_nothing():
+    assert not Snapshot().serves("", "v1", "pods")
+    assert Snapshot().group_versions == frozenset()
+
+
+def test_snapshot_equality_and_repr_ignore_the_indexes():
+    a, b = release_snapshot("1.36"), release_snapshot("1.36")
+    assert a == b and a is not b
+    assert "gvrs" not in repr(Snapshot())
+
+
+# --------------------------------------------------------------------------- rendering and ETags
+
+def test_aggregated_rendering_is_compact_json_in_kube_field_order():
+    groups = release_snapshot("1.36").groups
+    rendered = render_aggregated(groups)
+    assert rendered.startswith(b'{"kind":"APIGroupDiscoveryList","apiVersion":"apidiscovery.k8s.io'
+                               b'/v2","metadata":{},"items":[{"metadata":{"name":')
+    assert b": " not in rendered and b", " not in rendered
+    assert json.loads(rendered)["items"] == list(groups)
+
+
+def test_aggregated_rendering_labels_v2beta1():
+    rendered = json.loads(render_aggregated([], api_version=API_VERSION_V2BETA1))
+    assert rendered == {"kind": "APIGroupDiscoveryList", "apiVersion": API_VERSION_V2BETA1,
+                        "metadata": {}, "items": []}
+
+
+def test_aggregated_rendering_rejects_other_api_versions():
+    with pytest.raises(ValueError, match="apiVersion"):
+        render_aggregated([], api_version="v1")
+
+
+def test_legacy_api_versions():
+    core = release_snapshot("1.36").core
+    assert render_api_versions(core) == (
+        b'{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}')
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_legacy_group_list_matches_what_the_release_serves(version):
+    expected = discoverydocs.api_group_list(catalog.load_catalog(version))
+    assert json.loads(render_api_group_list(release_snapshot(version).groups)) == expected
+
+
+def test_legacy_group_list_lists_all_stale_groups_and_leaves_out_empty_ones():
+    groups = [{"metadata": {"name": "metrics.k8s.io"},
+               "versions": [{"version": "v1beta1", "freshness": "Stale"}]},
+              {"metadata": {"name": "empty.example.com"}}]
+    (only,) = json.loads(render_api_group_list(groups))["groups"]
+    assert only["preferredVersion"] == {"groupVersion": "metrics.k8s.io/v1beta1",
+                                        "version": "v1beta1"}
+
+
+def test_etag_has_upstreams_format():
+    assert re.fullmatch(r'"[0-9A-F]{128}"', etag(b"{}"))
+
+
+def test_etag_is_stable_for_the_same_merge_and_changes_with_content():
+    servers = {"apiserver-a": release_snapshot("1.35"), "apiserver-b": release_snapshot("1.36")}
+    first = etag(render_aggregated(merge(servers).groups))
+    assert etag(render_aggregated(merge(dict(reversed(servers.items()))).groups)) == first
+    servers["apiserver-c"] = release_snapshot("1.37")
+    assert etag(render_aggregated(merge(servers).groups)) != first
+    assert etag(render_aggregated(merge(servers, stale={"apiserver-c"}).groups)) != first
+
+
+# --------------------------------------------------------------------------- negotiation
+
+KUBECTL_130_TO_136 = ("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"
+                      "application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList,"
+                      "application/json")
+KUBECTL_137 = ("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"
+               "application/json")
+KUBECTL_127 = ("application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList,"
+               "application/json")
+KUBECTL_120_AND_RAW = "application/json, */*"
+KUBECTL_GET_LIST = ("application/json;as=Table;v=v1;g=meta.k8s.io,"
+                    "application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json")
+AGG_V2 = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+PROTOBUF_AGG = ("application/vnd.kubernetes.protobuf;"
+                "g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList")
+
+MERGED_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2)
+MERGED_V2BETA1 = Negotiated("aggregated", AGGREGATED_V2BETA1, API_VERSION_V2BETA1)
+NOPEER_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2, nopeer=True)
+LEGACY = Negotiated("legacy", "application/json")
+BACKEND = Negotiated("backend")
+NOT_ACCEPTABLE = Negotiated("not_acceptable")
+
+NEGOTIATION = [
+    pytest.param(KUBECTL_130_TO_136, MERGED_V2, id="kubectl 1.30-1.36 gets merged v2"),
+    pytest.param(KUBECTL_137, MERGED_V2, id="kubectl 1.37 gets merged v2"),
+    pytest.param(KUBECTL_127, MERGED_V2BETA1, id="kubectl 1.27 gets merged v2beta1"),
+    pytest.param(KUBECTL_120_AND_RAW, LEGACY, id="kubectl 1.20 and get --raw get legacy"),
+    pytest.param("*/*", LEGACY, id="kr8s gets legacy"),
+    pytest.param("application/json", LEGACY, id="DynamicClient gets legacy"),
+    pytest.param(None, LEGACY, id="no Accept gets legacy"),
+    pytest.param("  ", LEGACY, id="an empty Accept gets legacy"),
+    pytest.param("application/*", LEGACY, id="application/* gets legacy"),
+    pytest.param("*", LEGACY, id="a bare * means */*"),
+    pytest.param("Application/JSON", LEGACY, id="media types are case-insensitive"),
+    pytest.param(PEER_ACCEPT, NOPEER_V2, id="a peer's fetch asks for the nopeer view"),
+    pytest.param(f"{AGG_V2};profile=foo", MERGED_V2, id="an unknown profile gets the merged view"),
+    pytest.param(f"{KUBECTL_127.split(',')[0]};profile=nopeer",
+                 Negotiated("aggregated", AGGREGATED_V2BETA1, API_VERSION_V2BETA1, nopeer=True),
+                 id="nopeer works for v2beta1 too"),
+    pytest.param("application/json ; g=apidiscovery.k8s.io ; v=v2 ; as=APIGroupDiscoveryList",
+                 MERGED_V2, id="spaces around parameters are ignored"),
+    pytest.param("application/json;v=v2;as=APIGroupDiscoveryList;g=apidiscovery.k8s.io",
+                 MERGED_V2, id="parameter order does not matter"),
+    pytest.param(f"{PROTOBUF_AGG},application/json", BACKEND,
+                 id="aggregated protobuf first goes to the backend"),
+    pytest.param("application/vnd.kubernetes.protobuf, */*", BACKEND,
+                 id="plain protobuf first goes to the backend"),
+    pytest.param(f"application/json,{PROTOBUF_AGG}", LEGACY, id="JSON before protobuf stays JSON"),
+    pytest.param(f"application/json;q=0.5,{AGG_V2}", MERGED_V2, id="higher q wins"),
+    pytest.param(f"{AGG_V2};q=0,application/json", LEGACY, id="q=0 excludes a clause"),
+    pytest.param(f"{AGG_V2};q=x,application/json", LEGACY, id="an unreadable q excludes a clause"),
+    pytest.param(f"*/*,{AGG_V2}", MERGED_V2, id="a wildcard yields to a specific type of equal q"),
+    pytest.param(KUBECTL_GET_LIST, LEGACY, id="as=Table clauses are skipped"),
+    pytest.param("application/json;as=Table;v=v1;g=meta.k8s.io", NOT_ACCEPTABLE,
+                 id="only as=Table is not acceptable"),
+    pytest.param("application/json;g=apidiscovery.k8s.io;v=v3;as=APIGroupDiscoveryList",
+                 NOT_ACCEPTABLE, id="an unknown discovery version is not acceptable"),
+    pytest.param("application/json;q=0", NOT_ACCEPTABLE, id="everything at q=0 is not acceptable"),
+    pytest.param("text/html", NOT_ACCEPTABLE, id="HTML is not acceptable"),
+    pytest.param("application/yaml", NOT_ACCEPTABLE, id="YAML is not acceptable"),
+]
+
+
+@pytest.mark.parametrize(("accept", "expected"), NEGOTIATION)
+def test_negotiate(accept, expected):
+    assert negotiate(accept) == expected
+
+
+def test_constants_are_upstreams_exact_strings():
+    assert AGGREGATED_V2 == AGG_V2
+    assert PEER_ACCEPT == (
+        "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList;profile=nopeer,"
+        "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json")
+
+
+def _observed_discovery_requests() -> list[dict]:
+    if not OBSERVED.exists():
+        pytest.skip(f"no capture at {OBSERVED}")
+    records = [json.loads(line) for line in OBSERVED.read_text().splitlines() if line.strip()]
+    return [r for r in records if urlsplit(r["path"]).path.rstrip("/") in ("/api", "/apis")]
+
+
+def _what_the_client_needs(record: dict) -> Negotiated:
+    match = re.match(r"kubectl v1\.(\d+)", record["client"])
+    if not match or (record.get("command") or "").startswith("get --raw"):
+        return LEGACY
+    minor = int(match[1])
+    return MERGED_V2 if minor >= 30 else MERGED_V2BETA1 if minor >= 27 else LEGACY
+
+
+def test_every_observed_client_gets_what_it_needs():
+    for record in _observed_discovery_requests():
+        accept = next((v for k, v in record["headers"] if k.lower() == "accept"), None)
+        assert negotiate(accept) == _what_the_client_needs(record), record["client"]
+
+
+def test_the_negotiation_table_covers_every_observed_accept():
+    table = {p.values[0] for p in NEGOTIATION}
+    observed = {v for r in _observed_discovery_requests() for k, v in r["headers"]
+                if k.lower() == "accept"}
+    assert observed <= table
+
+
+def test_the_module_stays_pure():
+    probe = ("import sys, mvproxy.discovery; "
+             "print(sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('aiohttp', 'asyncio', 'socket', 'ssl') "
+             "or m.startswith('mvproxy.devcluster')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
