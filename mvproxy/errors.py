@@ -53,3 +53,28 @@ class UsageError(MvproxyError):
     """The command line is wrong in a way argparse cannot see (e.g. a bad ``--peer``)."""
 
     exit_code = 2
+
+
+class UpstreamError(MvproxyError):
+    """Talking to the backend or a peer failed; ``upstream`` names which one.
+
+    The original library exception is chained (``raise ... from``) for the log, but
+    callers only ever branch on these types.
+    """
+
+    def __init__(self, upstream: str, message: str):
+        self.upstream = upstream
+        super().__init__(f"{upstream}: {message}")
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection (refused, unreachable, TLS handshake failed): nothing was sent,
+    so the request may safely go to another capable peer."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream accepted the request but did not answer in time."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream answered with something unusable (bad HTTP, oversized body)."""

@@ -1,0 +1,105 @@
+"""Every metric mvproxy exports, bound to an injected registry.
+
+Names follow upstream kube-apiserver where upstream has the concept, so existing
+dashboards carry over (``apiserver_rerouted_request_total``,
+``aggregator_discovery_peer_aggregated_cache_hits_total``, ...); everything else is
+``mvproxy_``. Labels are bounded sets (codes, routes, group/version/resource from
+the discovery catalog, peer server IDs from configuration): never a path or a user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+GVR = ("group", "version", "resource")
+
+# Request latencies span sub-millisecond discovery hits to minute-long requests.
+_REQUEST_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+_POLL_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """The metric objects; one instance per daemon, one registry per instance."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        # Upstream's metrics have no ``*_created`` series; without this every counter
+        # would export a second, timestamp-valued series that dashboards do not expect.
+        disable_created_metrics()
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rerouted_requests = Counter(
+            "apiserver_rerouted_request_total",
+            "Requests forwarded to a peer because the backend cannot serve them, by the "
+            "status code the downstream received.",
+            ("code", *GVR), registry=r)
+        self.peer_proxy_errors = Counter(
+            "apiserver_peer_proxy_errors_total",
+            "Requests that had capable peers but could not be forwarded to any of them.",
+            ("type", *GVR), registry=r)
+        self.discovery_sync_errors = Counter(
+            "apiserver_peer_discovery_sync_errors_total",
+            "Failed discovery polls of a peer or the backend, by kind of failure.",
+            ("type",), registry=r)
+        self.aggregated_cache_hits = Counter(
+            "aggregator_discovery_peer_aggregated_cache_hits_total",
+            "Merged discovery documents served from the memoised bytes.", registry=r)
+        self.aggregated_cache_misses = Counter(
+            "aggregator_discovery_peer_aggregated_cache_misses_total",
+            "Merged discovery documents recomputed because the cache changed.", registry=r)
+        self.nopeer_requests = Counter(
+            "aggregator_discovery_nopeer_requests_total",
+            "Aggregated discovery requests asking for the local view (profile=nopeer).",
+            registry=r)
+        self.poll_duration = Histogram(
+            "mvproxy_discovery_poll_duration_seconds",
+            "Time to poll one server's /api and /apis, successful or not.",
+            ("server",), buckets=_POLL_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "mvproxy_request_duration_seconds",
+            "Time from a downstream request's arrival to the end of its response.",
+            ("route",), buckets=_REQUEST_BUCKETS, registry=r)
+        self.peer_failovers = Counter(
+            "mvproxy_peer_failovers_total",
+            "Times a connect failure to one capable peer moved a request to the next.",
+            registry=r)
+        self.inflight_requests = Gauge(
+            "mvproxy_inflight_requests", "Requests being served, by route.", ("route",),
+            registry=r)
+        self.open_watches = Gauge(
+            "mvproxy_open_watches", "Watch and other long-running streams open now.",
+            registry=r)
+
+    def watch_peers(self, peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
+        """Export ``mvproxy_peer_up`` and ``mvproxy_peer_discovery_age_seconds``.
+
+        Read at scrape time from ``peer_states()`` -> (server ID, up, age in seconds
+        or None before the first success), so the age is exact and a removed peer
+        disappears from the output instead of lingering as a stale label.
+        """
+        self.registry.register(_PeerCollector(peer_states))
+
+
+class _PeerCollector(Collector):
+    def __init__(self, peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]):
+        self._peer_states = peer_states
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        up = GaugeMetricFamily("mvproxy_peer_up",
+                               "1 while the peer's discovery polls succeed, else 0.",
+                               labels=("peer",))
+        age = GaugeMetricFamily("mvproxy_peer_discovery_age_seconds",
+                                "Seconds since the peer's discovery was last fetched "
+                                "successfully.", labels=("peer",))
+        for peer, is_up, seconds in self._peer_states():
+            up.add_metric((peer,), 1.0 if is_up else 0.0)
+            if seconds is not None:
+                age.add_metric((peer,), seconds)
+        yield up
+        yield age

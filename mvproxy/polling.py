@@ -1,0 +1,229 @@
+"""Background polling of ``/api`` and ``/apis`` on the backend and every peer.
+
+One task per server, so a slow peer never delays another; each poll has its own
+timeout and sends ``If-None-Match`` so an unchanged document costs a 304. Results
+go into the ``DiscoveryCache``. Failures keep the last good snapshot; they are
+logged and counted once per change of state (ok -> failing, or a different kind of
+failure), not once per poll. Nothing raises out of the loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from mvproxy import __version__, discovery
+from mvproxy.cache import DiscoveryCache
+from mvproxy.discovery import DiscoveryFormatError, Snapshot
+from mvproxy.errors import UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from mvproxy.logs import kv
+from mvproxy.metrics import Metrics
+from mvproxy.transport import BodyTooLarge, Transport, Upstream
+
+log = logging.getLogger(__name__)
+
+PATHS = ("/api", "/apis")
+PEER_PROXIED = "x-kubernetes-peer-proxied"
+
+# Upstream's peer discovery fetches authenticate as this user (upstream-mvp.md §4.3).
+POLL_IDENTITY = {"X-Remote-User": "system:apiserver", "X-Remote-Group": "system:authenticated"}
+
+
+@dataclass(frozen=True)
+class PollSettings:
+    interval: float
+    timeout: float
+    max_bytes: int
+    jitter: float = 0.1
+    """Each sleep is ``interval`` times a random factor in [1 - jitter, 1 + jitter],
+    so that the members of a control plane do not poll each other in lockstep."""
+
+
+@dataclass
+class _ServerPoll:
+    """Per-server memory between polls: ETags and the documents they stand for."""
+
+    upstream: Upstream
+    etags: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, tuple[dict, ...]] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+    """The snapshot those documents make; handed to the cache again on a 304, so a
+    server whose snapshot the cache forgot gets it back when it answers again."""
+    failure: str | None = None
+
+
+def failure_type(exc: Exception) -> str:
+    """A bounded label for a failed poll."""
+    if isinstance(exc, DiscoveryFormatError):
+        return "invalid_discovery"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    if isinstance(exc, BodyTooLarge):
+        return "oversized_discovery"
+    return "fetch_discovery"
+
+
+class Poller:
+    """Keeps ``cache`` current for the backend and every peer ``peers()`` names."""
+
+    def __init__(self, *, cache: DiscoveryCache, transport: Transport, backend: Upstream,
+                 peers: Callable[[], Mapping[str, Upstream]], settings: PollSettings,
+                 metrics: Metrics, rng: random.Random | None = None):
+        self.cache = cache
+        self.transport = transport
+        self.settings = settings
+        self.metrics = metrics
+        self._peers = peers
+        self._rng = rng or random.Random()
+        self._backend = _ServerPoll(backend)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._states: dict[str, _ServerPoll] = {}
+        self._retired: set[asyncio.Task] = set()
+        """Tasks of removed peers: cancelled, awaited by ``_stop_all``."""
+
+    async def run(self) -> None:
+        """Poll until cancelled, following membership changes at every interval."""
+        self._start(self.cache.server_id, self._backend)
+        try:
+            while True:
+                try:
+                    self._reconcile()
+                except Exception:  # a broken membership source must not stop polling
+                    log.exception("cannot read the peer list; keeping the current peers")
+                await asyncio.sleep(self.settings.interval)
+        finally:
+            await self._stop_all()
+
+    def _reconcile(self) -> None:
+        wanted = dict(self._peers())
+        wanted.pop(self.cache.server_id, None)
+        self.cache.set_peers(wanted)
+        for server_id in set(self._tasks) - set(wanted) - {self.cache.server_id}:
+            log.info("peer removed from membership", extra=kv(peer=server_id))
+            self._retire(server_id)
+        for server_id, upstream in wanted.items():
+            known = self._states.get(server_id)
+            if known is not None and known.upstream != upstream:
+                log.info("peer address changed", extra=kv(peer=server_id, url=upstream.url))
+                self._retire(server_id)
+            if server_id not in self._tasks:
+                self._start(server_id, _ServerPoll(upstream))
+
+    def _start(self, server_id: str, state: _ServerPoll) -> None:
+        self._states[server_id] = state
+        self._tasks[server_id] = asyncio.create_task(
+            self._loop(server_id, state), name=f"mvproxy-poll-{server_id}")
+
+    def _retire(self, server_id: str) -> None:
+        self._states.pop(server_id, None)
+        task = self._tasks.pop(server_id)
+        task.cancel()
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def _stop_all(self) -> None:
+        tasks = [*self._tasks.values(), *self._retired]
+        self._tasks, self._states, self._retired = {}, {}, set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _loop(self, server_id: str, state: _ServerPoll) -> None:
+        while True:
+            await self.poll_once(server_id, state)
+            spread = self._rng.uniform(-self.settings.jitter, self.settings.jitter)
+            await asyncio.sleep(self.settings.interval * (1 + spread))
+
+    async def poll_once(self, server_id: str, state: _ServerPoll) -> None:
+        """Fetch both documents once and record the outcome; never raises."""
+        started = time.perf_counter()
+        try:
+            snapshot = await self._fetch_snapshot(state)
+        except (UpstreamError, DiscoveryFormatError) as exc:
+            self._failed(server_id, state, exc)
+        except Exception as exc:  # a bug here must not end this server's polling
+            if state.failure != failure_type(exc):  # the traceback once, not every poll
+                log.exception("discovery poll raised unexpectedly", extra=kv(server=server_id))
+            self._failed(server_id, state, exc)
+        else:
+            self._succeeded(server_id, state, snapshot)
+        finally:
+            self.metrics.poll_duration.labels(server_id).observe(time.perf_counter() - started)
+
+    async def _fetch_snapshot(self, state: _ServerPoll) -> Snapshot:
+        """The server's snapshot: the same object as last time when both documents are
+        unchanged (304), so the cache sees no change and keeps its generation.
+
+        Both fetches run at once, under one timeout each; the state is updated only
+        when both succeed, so a snapshot never mixes two polls' halves.
+        """
+        results = await asyncio.gather(*(self._fetch(state, p) for p in PATHS),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        if all(result is None for result in results) and state.snapshot is not None:
+            return state.snapshot
+        for path, result in zip(PATHS, results):
+            if result is not None:
+                state.groups[path], state.etags[path] = result
+        state.snapshot = Snapshot(core=state.groups["/api"], groups=state.groups["/apis"])
+        return state.snapshot
+
+    async def _fetch(self, state: _ServerPoll, path: str):
+        """(groups, etag) for a changed document, None for a 304."""
+        headers = {"Accept": discovery.PEER_ACCEPT, PEER_PROXIED: "true",
+                   "User-Agent": f"mvproxy/{__version__}", **POLL_IDENTITY}
+        known = path in state.groups and state.etags.get(path)
+        if known:
+            headers["If-None-Match"] = state.etags[path]
+        fetched = await self.transport.fetch(
+            state.upstream, path, headers=headers, timeout=self.settings.timeout,
+            max_bytes=self.settings.max_bytes)
+        if fetched.status == 304 and known:
+            return None
+        if fetched.status != 200:
+            raise UpstreamProtocolError(state.upstream.name,
+                                        f"GET {path} answered HTTP {fetched.status}")
+        groups = discovery.parse_aggregated(fetched.body, max_bytes=self.settings.max_bytes)
+        _check_prefix(path, groups)
+        return groups, fetched.headers.get("ETag", "")
+
+    def _failed(self, server_id: str, state: _ServerPoll, exc: Exception) -> None:
+        kind = failure_type(exc)
+        was_reachable = self._reachable(server_id)
+        self.cache.record_failure(server_id)
+        if kind != state.failure:
+            state.failure = kind
+            self.metrics.discovery_sync_errors.labels(kind).inc()
+            log.warning("discovery poll failed; keeping the last good snapshot",
+                        extra=kv(server=server_id, type=kind, error=str(exc)[:300]))
+        if was_reachable and not self._reachable(server_id):
+            log.warning("server became unreachable; its versions are now served as Stale",
+                        extra=kv(server=server_id))
+
+    def _succeeded(self, server_id: str, state: _ServerPoll, snapshot: Snapshot) -> None:
+        was_reachable = self._reachable(server_id)
+        self.cache.record_success(server_id, snapshot)
+        if state.failure is not None:
+            state.failure = None
+            log.info("discovery poll recovered", extra=kv(server=server_id))
+        elif not was_reachable:
+            log.info("server reachable", extra=kv(server=server_id))
+
+    def _reachable(self, server_id: str) -> bool:
+        known = self.cache.state(server_id)
+        return bool(known and known.reachable)
+
+
+def _check_prefix(path: str, groups: tuple[dict, ...]) -> None:
+    """``/api`` holds only the core group and ``/apis`` only named groups."""
+    core = path == "/api"
+    for group in groups:
+        if (discovery.group_name(group) == "") != core:
+            raise DiscoveryFormatError(
+                f"GET {path}: group {discovery.group_name(group)!r} does not belong there")
