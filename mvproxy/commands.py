@@ -44,12 +44,16 @@ class NotBuiltYet(MvproxyError):
 
 
 def run(path: str | None, overrides: dict[str, object]) -> int:
+    """Run the daemon until SIGTERM/SIGINT; exit 0 after draining."""
+    import asyncio
+
     from mvproxy import logs
+    from mvproxy.app import build_daemon, serve
 
     cfg = load_checked_config(path, overrides)
     logs.configure(cfg.logging.format, cfg.logging.verbosity)
-    raise NotBuiltYet("configuration is valid, but the proxy daemon is not built yet "
-                      "(issue 5: routing and forwarding)")
+    asyncio.run(serve(build_daemon(cfg)))
+    return 0
 
 
 def sim(args: argparse.Namespace) -> int:

@@ -6,58 +6,11 @@ every error the simulated API server returns goes through here.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
-REASONS = {
-    400: "BadRequest",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "NotFound",
-    405: "MethodNotAllowed",
-    406: "NotAcceptable",
-    409: "AlreadyExists",
-    410: "Expired",
-    415: "UnsupportedMediaType",
-    422: "Invalid",
-    500: "InternalError",
-    503: "ServiceUnavailable",
-}
-
-
-def status_body(code: int, message: str, *, reason: str | None = None,
-                details: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``metav1.Status`` failure object."""
-    body: dict[str, Any] = {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason or REASONS.get(code, ""),
-        "code": code,
-    }
-    if details:
-        body["details"] = details
-    return body
-
-
-def status_response(code: int, message: str, *, reason: str | None = None,
-                    details: dict[str, Any] | None = None,
-                    headers: dict[str, str] | None = None) -> web.Response:
-    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
-    body = status_body(code, message, reason=reason, details=details)
-    return _json(code, body, headers)
-
-
-def _json(code: int, body: dict[str, Any], headers: dict[str, str] | None = None
-          ) -> web.Response:
-    # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
-    return web.Response(status=code, body=json.dumps(body).encode(),
-                        headers={**(headers or {}), "Content-Type": "application/json"})
-
+from mvproxy.kubestatus import REASONS, json_response, status_body, status_response  # noqa: F401 - re-exported
 
 def not_found(group: str, resource: str, name: str) -> web.Response:
     """kube's wording: ``pods "x" not found`` (``deployments.apps "x" not found``)."""
@@ -93,7 +46,7 @@ def path_not_found() -> web.Response:
     """An unknown group, version, resource or path: kube's generic 404 (``details: {}``)."""
     body = status_body(404, "the server could not find the requested resource")
     body["details"] = {}
-    return _json(404, body)
+    return json_response(404, body)
 
 
 def already_exists(group: str, resource: str, name: str) -> web.Response:
@@ -125,7 +78,7 @@ def invalid(group: str, resource: str, kind: str, name: str, message: str) -> we
 def method_not_allowed() -> web.Response:
     body = status_body(405, "the server does not allow this method on the requested resource")
     body["details"] = {}
-    return _json(405, body)
+    return json_response(405, body)
 
 
 def not_acceptable(accepted: str = "application/json") -> web.Response:

@@ -1,0 +1,79 @@
+"""The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``, ``/debug/mvproxy``.
+
+Separate from the main listener so that scraping and probes need no client
+certificate and never compete with API traffic. Health endpoints answer like
+kube-apiserver's: ``ok``, or with ``?verbose`` one ``[+]check ok`` line per check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mvproxy.cache import DiscoveryCache
+from mvproxy.metrics import Metrics
+
+Check = tuple[str, bool, str]
+
+
+def _health_response(request: web.Request, name: str, checks: list[Check]) -> web.Response:
+    healthy = all(ok for _, ok, _ in checks)
+    if "verbose" not in request.query and healthy:
+        return web.Response(text="ok", content_type="text/plain")
+    lines = [f"[+]{check} ok" if ok else f"[-]{check} failed: {why}" for check, ok, why in checks]
+    lines.append(f"{name} check {'passed' if healthy else 'failed'}")
+    return web.Response(status=200 if healthy else 503, text="\n".join(lines) + "\n",
+                        content_type="text/plain")
+
+
+def readiness_checks(cache: DiscoveryCache) -> list[Check]:
+    """Ready once the backend and every peer have been polled at least once."""
+    view = cache.view()
+    unpolled = [s.server_id for s in (view.backend, *view.peers.values()) if not s.polled]
+    return [("ping", True, ""),
+            ("discovery-synced", view.synced,
+             "not yet polled: " + ", ".join(unpolled) if unpolled else "")]
+
+
+def debug_state(cache: DiscoveryCache) -> dict:
+    """The cache as an operator wants to see it while debugging routing."""
+    view, now = cache.view(), time.monotonic()
+
+    def describe(state):
+        return {"polled": state.polled, "reachable": state.reachable,
+                "hasSnapshot": state.snapshot is not None,
+                "secondsSinceSuccess": None if state.last_success is None
+                else round(now - state.last_success, 3),
+                "groupVersions": 0 if state.snapshot is None
+                else len(state.snapshot.group_versions)}
+    return {"serverID": cache.server_id, "generation": view.generation, "synced": view.synced,
+            "backend": describe(view.backend),
+            "peers": {peer_id: describe(state) for peer_id, state in view.peers.items()}}
+
+
+def build_admin_app(cache: DiscoveryCache, metrics: Metrics, server_id: str) -> web.Application:
+    async def metrics_handler(request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def livez(request: web.Request) -> web.Response:
+        return _health_response(request, request.path.strip("/"), [("ping", True, "")])
+
+    async def readyz(request: web.Request) -> web.Response:
+        return _health_response(request, "readyz", readiness_checks(cache))
+
+    async def debug(request: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(debug_state(cache), indent=2),
+                            content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", livez)
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/debug/mvproxy", debug)
+    return app

@@ -1,0 +1,132 @@
+"""``GET /api`` and ``GET /apis``: the merged (peer-aggregated) discovery documents.
+
+Which view a client gets (DESIGN.md, "Request decision" step 2):
+
+- from a peer, with ``profile=nopeer``, or protobuf-only: the backend's own answer,
+  forwarded (a peer polling us must see our backend, not our merge of it);
+- aggregated v2/v2beta1: the merged document from the cache;
+- legacy JSON: the merged ``APIVersions`` / ``APIGroupList``;
+- anything else: 406.
+
+The merged bytes and ETag are rendered once per cache generation. Before answering
+from the cache, mvproxy asks the backend the same question with the downstream's
+credentials (``If-None-Match``, so it usually costs a 304): mvproxy must never show
+discovery to a client the backend would refuse, and it cannot judge a bearer
+token itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from mvproxy import discovery, forwarding
+from mvproxy.cache import CacheView, DiscoveryCache
+from mvproxy.errors import UpstreamError
+from mvproxy.forwarding import ForwardError
+from mvproxy.identity import Downstream
+from mvproxy.kubestatus import status_response
+from mvproxy.logs import kv
+from mvproxy.metrics import Metrics
+from mvproxy.requestinfo import RequestInfo
+from mvproxy.transport import Transport, Upstream
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER = "5"
+
+
+@dataclass
+class DiscoveryHandler:
+    cache: DiscoveryCache
+    transport: Transport
+    backend: Upstream
+    metrics: Metrics
+    probe_timeout: float
+    max_bytes: int
+    _probe_etags: dict[str, str] = field(default_factory=dict)
+
+    async def handle(self, request: web.Request, downstream: Downstream,
+                     info: RequestInfo) -> web.StreamResponse:
+        negotiated = discovery.negotiate(request.headers.get("Accept"))
+        if negotiated.nopeer:
+            self.metrics.nopeer_requests.inc()
+        if downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
+            return await self._from_backend(request, downstream)
+        if negotiated.kind == "not_acceptable":
+            return status_response(406, "only aggregated (apidiscovery.k8s.io v2, v2beta1) "
+                                        "and legacy JSON discovery are served here")
+        view = self.cache.view()
+        if view.merged() is None:
+            return await self._from_backend(request, downstream)
+        denied = await self._authorize(request, downstream, info.path)
+        if denied is not None:
+            return denied
+        return self._merged(request, view, negotiated, core=_is_core(info.path))
+
+    def _merged(self, request: web.Request, view: CacheView,
+                negotiated: discovery.Negotiated, *, core: bool) -> web.Response:
+        key = ("api" if core else "apis", negotiated.kind, negotiated.api_version or "")
+        document, cached = view.document(key, lambda: _render(view, negotiated, core))
+        (self.metrics.aggregated_cache_hits if cached
+         else self.metrics.aggregated_cache_misses).inc()
+        headers = {"ETag": document.etag, "Vary": "Accept", "Cache-Control": "public"}
+        if request.headers.get("If-None-Match") == document.etag:
+            return web.Response(status=304, headers=headers)
+        headers["Content-Type"] = negotiated.content_type
+        return web.Response(body=document.body, headers=headers)
+
+    async def _from_backend(self, request: web.Request,
+                            downstream: Downstream) -> web.StreamResponse:
+        headers = forwarding.request_headers(request, downstream, to_peer=False)
+        try:
+            return await forwarding.forward(request, self.transport, self.backend, headers,
+                                            long_running=False)
+        except ForwardError as exc:
+            log.warning("backend discovery request failed", extra=kv(error=str(exc)[:300]))
+            return _backend_unavailable()
+
+    async def _authorize(self, request: web.Request, downstream: Downstream,
+                         path: str) -> web.Response | None:
+        """None if the backend answers this downstream's discovery; else its refusal."""
+        probe_path = "/api" if _is_core(path) else "/apis"
+        headers = forwarding.request_headers(request, downstream, to_peer=False)
+        headers["Accept"] = discovery.PEER_ACCEPT
+        headers.popall("If-None-Match", None)
+        if self._probe_etags.get(probe_path):
+            headers["If-None-Match"] = self._probe_etags[probe_path]
+        try:
+            answer = await self.transport.fetch(self.backend, probe_path, headers=headers,
+                                                timeout=self.probe_timeout,
+                                                max_bytes=self.max_bytes)
+        except UpstreamError as exc:
+            log.warning("backend discovery probe failed", extra=kv(error=str(exc)[:300]))
+            return _backend_unavailable()
+        if answer.status == 200 and answer.headers.get("ETag"):
+            self._probe_etags[probe_path] = answer.headers["ETag"]
+        if answer.status in (200, 304):
+            return None
+        content_type = answer.headers.get("Content-Type", "application/json")
+        return web.Response(status=answer.status, body=answer.body,
+                            headers={"Content-Type": content_type})
+
+
+def _is_core(path: str) -> bool:
+    return path.rstrip("/") == "/api"
+
+
+def _render(view: CacheView, negotiated: discovery.Negotiated, core: bool) -> bytes:
+    merged = view.merged()
+    groups = merged.core if core else merged.groups
+    if negotiated.kind == "aggregated":
+        return discovery.render_aggregated(groups, api_version=negotiated.api_version)
+    if core:
+        return discovery.render_api_versions(groups)
+    return discovery.render_api_group_list(groups)
+
+
+def _backend_unavailable() -> web.Response:
+    return status_response(503, "error trying to reach the backend API server",
+                           headers={"Retry-After": RETRY_AFTER})

@@ -1,0 +1,109 @@
+"""Who the downstream is, and which identity headers go upstream.
+
+Three kinds of downstream (DESIGN.md "Identity"):
+
+- a **peer**: its client certificate chains to the peer CA *and* its CN is one of
+  ``peer.allowedNames``. Only a peer's ``X-Remote-*`` and
+  ``x-kubernetes-peer-proxied`` headers are believed: the peer authenticated the
+  user and vouches for it.
+- a **user** with a client certificate verified against ``clientCAFile``: user = CN,
+  groups = O. mvproxy forwards it as ``X-Remote-User``/``X-Remote-Group``, which the
+  backend accepts because mvproxy presents its front-proxy client certificate.
+- anyone else (bearer token, or nothing): credentials pass through unchanged and
+  the backend decides.
+
+Identity headers from a non-peer are removed before forwarding: otherwise any
+client could claim to be ``system:masters``. ``Impersonate-*`` headers stay: the
+backend authorizes impersonation itself.
+
+Pure apart from reading the CA files once at construction; resolving a certificate
+is memoised by its DER bytes, since a connection's certificate repeats on every
+request it carries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from cryptography import x509
+
+from mvproxy import pki
+
+PEER_PROXIED = "x-kubernetes-peer-proxied"
+REMOTE_USER = "X-Remote-User"
+REMOTE_GROUP = "X-Remote-Group"
+REMOTE_PREFIX = "x-remote-"
+
+PEER, USER, ANONYMOUS = "peer", "user", "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class Downstream:
+    """The verified identity of a connection (``ANONYMOUS``: no verified certificate)."""
+
+    kind: str
+    user: str = ""
+    groups: tuple[str, ...] = ()
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind == PEER
+
+
+ANONYMOUS_DOWNSTREAM = Downstream(ANONYMOUS)
+
+
+class IdentityResolver:
+    """Maps a TLS client certificate (already verified by the handshake) to a Downstream.
+
+    The listener trusts both CAs for the handshake; this decides which one issued
+    the certificate, because the two roles carry different rights.
+    """
+
+    def __init__(self, *, client_ca_file: str | None, peer_ca_file: str | None,
+                 peer_allowed_names: Iterable[str], memo_size: int = 1024):
+        self._client_cas = pki.load_ca_bundle(client_ca_file, "client CA file") if client_ca_file else ()
+        self._peer_cas = pki.load_ca_bundle(peer_ca_file, "peer CA file") if peer_ca_file else ()
+        self._allowed = frozenset(peer_allowed_names)
+        self._memo: OrderedDict[bytes, Downstream] = OrderedDict()
+        self._memo_size = memo_size
+
+    def resolve(self, der: bytes | None) -> Downstream:
+        if not der:
+            return ANONYMOUS_DOWNSTREAM
+        found = self._memo.get(der)
+        if found is None:
+            found = self._classify(der)
+            self._memo[der] = found
+            if len(self._memo) > self._memo_size:
+                self._memo.popitem(last=False)
+        return found
+
+    def _classify(self, der: bytes) -> Downstream:
+        cert = x509.load_der_x509_certificate(der)
+        cn, orgs = pki.subject_identity(der)
+        if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
+            return Downstream(PEER, cn, orgs)
+        if cn and pki.issued_by_any(cert, self._client_cas):
+            return Downstream(USER, cn, orgs)
+        return ANONYMOUS_DOWNSTREAM
+
+
+def is_peer_proxied(downstream: Downstream, headers: Mapping[str, str]) -> bool:
+    """Routing rule 1: a peer already chose this server; serve it locally."""
+    return downstream.is_peer and headers.get(PEER_PROXIED, "").lower() == "true"
+
+
+def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:
+    """The ``X-Remote-*`` headers mvproxy itself asserts for a certificate user."""
+    if downstream.kind != USER:
+        return []
+    return [(REMOTE_USER, downstream.user), *((REMOTE_GROUP, g) for g in downstream.groups)]
+
+
+def is_identity_header(name: str) -> bool:
+    """Headers only a peer may send: ``X-Remote-*`` and the peer-proxied marker."""
+    lowered = name.lower()
+    return lowered.startswith(REMOTE_PREFIX) or lowered == PEER_PROXIED

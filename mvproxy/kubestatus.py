@@ -1,0 +1,60 @@
+"""Kubernetes ``Status`` bodies, the way kube-apiserver writes them.
+
+kubectl and client-go parse these to print "Error from server (NotFound): ...";
+both the daemon (503 when no capable peer is reachable, 406, 502) and the simulated
+API server answer errors through here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+REASONS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    406: "NotAcceptable",
+    409: "AlreadyExists",
+    410: "Expired",
+    415: "UnsupportedMediaType",
+    422: "Invalid",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+}
+
+
+def status_body(code: int, message: str, *, reason: str | None = None,
+                details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``metav1.Status`` failure object."""
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason or REASONS.get(code, ""),
+        "code": code,
+    }
+    if details:
+        body["details"] = details
+    return body
+
+
+def status_response(code: int, message: str, *, reason: str | None = None,
+                    details: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None) -> web.Response:
+    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
+    body = status_body(code, message, reason=reason, details=details)
+    return json_response(code, body, headers)
+
+
+def json_response(code: int, body: dict[str, Any], headers: dict[str, str] | None = None
+          ) -> web.Response:
+    # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
+    return web.Response(status=code, body=json.dumps(body).encode(),
+                        headers={**(headers or {}), "Content-Type": "application/json"})

@@ -1,0 +1,110 @@
+"""Where a request goes: the decision order of DESIGN.md, as a pure function.
+
+``decide`` reads one ``CacheView`` and the request's ``RequestInfo`` and returns a
+``Decision``; it does no I/O, so it is table-tested without sockets and can move
+under a faster byte-moving layer unchanged. Every lookup is a dict or set probe:
+the cost does not grow with the number of resources.
+
+1. From an authenticated peer with ``x-kubernetes-peer-proxied: true`` -> backend.
+2. ``GET``/``HEAD`` ``/api`` or ``/apis`` -> the discovery handler; ``GET /openapi/v3``
+   -> the backend's OpenAPI index plus peer-only group/versions (``openapi``).
+3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
+4. ``/apis/<g>``, ``/apis/<g>/<v>``, ``/openapi/v3/apis/<g>/<v>`` -> backend if it
+   serves the group (version), else a capable peer.
+5. Resource requests -> backend if it serves group/version/resource *and* the
+   subresource; else the capable reachable peers in random order (the first is
+   tried, the rest are failover); capable peers that are all unreachable -> 503;
+   nobody serves it -> backend, whose 404 is then genuine.
+6. Anything else -> backend.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from mvproxy.cache import CacheView
+from mvproxy.requestinfo import RequestInfo
+
+BACKEND, PEER, DISCOVERY, UNAVAILABLE = "backend", "peer", "discovery", "unavailable"
+OPENAPI_INDEX = "openapi-index"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to send one request, and why (the reason is for V(4) logs and tests)."""
+
+    route: str
+    reason: str
+    peers: tuple[str, ...] = ()
+    """For ``PEER``: candidates in the order to try; for ``UNAVAILABLE``: the capable peers."""
+
+
+TO_BACKEND_PEER_PROXIED = Decision(BACKEND, "peer-proxied")
+TO_DISCOVERY = Decision(DISCOVERY, "discovery")
+TO_OPENAPI_INDEX = Decision(OPENAPI_INDEX, "openapi index")
+TO_BACKEND_UNSYNCED = Decision(BACKEND, "not synced")
+TO_BACKEND_LOCAL = Decision(BACKEND, "served locally")
+TO_BACKEND_NOBODY = Decision(BACKEND, "served by nobody")
+TO_BACKEND_OTHER = Decision(BACKEND, "not an API request")
+
+_DISCOVERY_PATHS = frozenset(("/api", "/api/", "/apis", "/apis/"))
+_OPENAPI_INDEX_PATHS = frozenset(("/openapi/v3", "/openapi/v3/"))
+_OPENAPI_V3 = ("openapi", "v3", "apis")
+
+
+def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
+           rng: random.Random | None = None) -> Decision:
+    """The route for one request (see the module docstring for the order)."""
+    if peer_proxied:
+        return TO_BACKEND_PEER_PROXIED
+    if info.path in _DISCOVERY_PATHS and info.verb in ("get", "head"):
+        return TO_DISCOVERY
+    if info.path in _OPENAPI_INDEX_PATHS and info.verb == "get":
+        return TO_OPENAPI_INDEX
+    local = view.backend.snapshot
+    if not view.synced or local is None:
+        return TO_BACKEND_UNSYNCED
+    if info.is_resource_request:
+        if local.serves(info.api_group, info.api_version, info.resource, info.subresource):
+            return TO_BACKEND_LOCAL
+        capable = view.capable_peers(info.api_group, info.api_version, info.resource,
+                                     info.subresource)
+        return _among(capable, view, rng)
+    group_version = _group_version_path(info)
+    if group_version is None:
+        return TO_BACKEND_OTHER
+    return _decide_group_version(*group_version, view, rng)
+
+
+def _group_version_path(info: RequestInfo) -> tuple[str, str] | None:
+    """(group, version or "") for ``/apis/<g>[/<v>]`` and ``/openapi/v3/apis/<g>/<v>``."""
+    if info.api_prefix == "apis" and info.api_group:
+        return info.api_group, info.api_version
+    segments = info.path.strip("/").split("/")
+    if len(segments) == 5 and tuple(segments[:3]) == _OPENAPI_V3:
+        return segments[3], segments[4]
+    return None
+
+
+def _decide_group_version(group: str, version: str, view: CacheView,
+                          rng: random.Random | None) -> Decision:
+    local = view.backend.snapshot
+    if version:
+        if local is not None and local.serves_group_version(group, version):
+            return TO_BACKEND_LOCAL
+        return _among(view.capable_group_version_peers(group, version), view, rng)
+    if local is not None and group in view.local_groups:
+        return TO_BACKEND_LOCAL
+    return _among(view.capable_group_peers(group), view, rng)
+
+
+def _among(capable: tuple[str, ...], view: CacheView, rng: random.Random | None) -> Decision:
+    if not capable:
+        return TO_BACKEND_NOBODY
+    reachable = [peer for peer in capable if peer in view.reachable]
+    if not reachable:
+        return Decision(UNAVAILABLE, "capable peers unreachable", capable)
+    if len(reachable) > 1:
+        (rng or random).shuffle(reachable)
+    return Decision(PEER, "served by peers", tuple(reachable))
