@@ -7,7 +7,6 @@ imports only what it needs.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from mvproxy.errors import MvproxyError
 
@@ -65,6 +64,6 @@ def sim(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    print("mvproxy demo: the mixed-version demo needs the simulated kube-apiserver "
-          "(issue 3) and the proxy (issue 5); neither is built yet.", file=sys.stderr)
-    raise NotBuiltYet("demo is not available yet")
+    from mvproxy.devcluster.demo import run_demo
+
+    return run_demo(args)

@@ -1,8 +1,8 @@
 """Start, probe and stop the processes of a development control plane.
 
 ``ManagedProcess`` runs one command in its own process group with its output in a log
-file, waits until an HTTPS readiness URL answers 200, and stops it (SIGTERM, then
-SIGKILL) — including every child it spawned. ``SimProcess`` is a ``mvproxy sim``
+file, waits until a readiness URL (HTTPS or plain HTTP) answers 200, and stops it
+(SIGTERM, then SIGKILL) — including every child it spawned. ``SimProcess`` is a ``mvproxy sim``
 (a simulated kube-apiserver); the demo and the end-to-end tests build on both, and
 ``mvproxy run`` processes can use ``ManagedProcess`` directly.
 """
@@ -97,8 +97,11 @@ class ManagedProcess:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> ManagedProcess:
+        """Start the command; a process that has exited may be started again."""
+        if self.running:
+            raise ProcessError(f"{self.name} is already running (pid {self.pid})")
         if self._proc is not None:
-            raise ProcessError(f"{self.name} was already started")
+            self.stop()  # reap it and anything left in its process group
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             try:
@@ -135,10 +138,17 @@ class ManagedProcess:
         try:
             # Valid while the leader is unreaped (poll() returned None just before).
             os.killpg(self._proc.pid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(self._proc.pid, signal.SIGCONT)  # a stopped process must see it
         except ProcessLookupError:
             pass
         except PermissionError:
             self._proc.send_signal(sig)
+
+    def terminate(self) -> None:
+        """Send SIGTERM to the process group without waiting (see ``stop_all``)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to ``timeout``, then SIGKILL it."""
@@ -279,6 +289,27 @@ class SimProcess(ManagedProcess):
         return super().probe()
 
 
+def stop_all(processes: Sequence[ManagedProcess], timeout: float = 10.0) -> None:
+    """Stop several processes at once: SIGTERM to all first, then wait for each.
+
+    Shutdown takes about as long as the slowest process, not the sum. Every process is
+    stopped even if stopping one of them raises; the first error is re-raised.
+    """
+    for process in processes:
+        try:
+            process.terminate()
+        except OSError:
+            pass
+    first: BaseException | None = None
+    for process in processes:
+        try:
+            process.stop(timeout)
+        except BaseException as exc:  # noqa: BLE001 - keep stopping the others
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 def _connect_host(bind_address: str) -> str:
     """Where to connect for a listener bound to ``bind_address`` (wildcards → loopback)."""
     if bind_address in ("", "0.0.0.0"):
@@ -293,5 +324,6 @@ __all__ = [
     "ProcessError",
     "SimProcess",
     "free_port",
+    "stop_all",
     "write_token_file",
 ]
