@@ -67,7 +67,7 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics, server_id: str) -> 
         return _health_response(request, "readyz", readiness_checks(cache))
 
     async def debug(request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(debug_state(cache), indent=2),
+        return web.Response(text=json.dumps(debug_state(cache), indent=2) + "\n",
                             content_type="application/json")
 
     app = web.Application()

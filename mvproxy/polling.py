@@ -176,8 +176,11 @@ class Poller:
 
     async def _fetch(self, state: _ServerPoll, path: str):
         """(groups, etag) for a changed document, None for a 304."""
-        headers = {"Accept": discovery.PEER_ACCEPT, PEER_PROXIED: "true",
-                   "User-Agent": f"mvproxy/{__version__}", **POLL_IDENTITY}
+        headers = {"Accept": discovery.PEER_ACCEPT, "User-Agent": f"mvproxy/{__version__}",
+                   **POLL_IDENTITY}
+        if state.upstream.is_peer:
+            # A peer must answer from its own backend, not re-merge or re-route.
+            headers[PEER_PROXIED] = "true"
         known = path in state.groups and state.etags.get(path)
         if known:
             headers["If-None-Match"] = state.etags[path]

@@ -93,11 +93,12 @@ class Transport:
         return session
 
     def _timeout(self, long_running: bool, total: float | None = None) -> aiohttp.ClientTimeout:
-        if long_running:
-            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout,
-                                         connect=self.connect_timeout)
-        return aiohttp.ClientTimeout(total=total or self.request_timeout,
-                                     sock_connect=self.connect_timeout)
+        # ``connect`` covers TCP connect *and* the TLS handshake: a peer that accepts
+        # the TCP connection but is frozen must not hold a request for the whole
+        # request timeout; it fails over (or gets a 503) after connect_timeout.
+        return aiohttp.ClientTimeout(
+            total=None if long_running else (total or self.request_timeout),
+            sock_connect=self.connect_timeout, connect=self.connect_timeout)
 
     async def fetch(self, upstream: Upstream, path: str, *, headers: Mapping[str, str],
                     timeout: float, max_bytes: int) -> Fetched:
