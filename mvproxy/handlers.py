@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from mvproxy import forwarding, openapi, routing
+from mvproxy import forwarding, openapi, routing, tunnel
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -88,6 +88,11 @@ class Proxy:
                           long_running: bool) -> web.StreamResponse:
         headers = forwarding.request_headers(request, downstream, to_peer=False)
         try:
+            if tunnel.is_upgrade(request):
+                return await tunnel.forward_upgrade(
+                    request, self.backend, headers,
+                    connect_timeout=self.transport.connect_timeout,
+                    response_timeout=self.transport.request_timeout)
             return await forwarding.forward(request, self.transport, self.backend, headers,
                                             long_running=long_running)
         except ForwardError as exc:
@@ -108,8 +113,14 @@ class Proxy:
                 self.metrics.peer_failovers.inc()
             headers = forwarding.request_headers(request, downstream, to_peer=True)
             try:
-                response = await forwarding.forward(request, self.transport, upstream, headers,
-                                                    long_running=long_running)
+                if tunnel.is_upgrade(request):
+                    response = await tunnel.forward_upgrade(
+                        request, upstream, headers,
+                        connect_timeout=self.transport.connect_timeout,
+                        response_timeout=self.transport.request_timeout)
+                else:
+                    response = await forwarding.forward(request, self.transport, upstream,
+                                                        headers, long_running=long_running)
             except ForwardError as exc:
                 last = exc
                 log.warning("peer request failed", extra=kv(peer=peer_id, error=str(exc)[:300],
@@ -119,10 +130,10 @@ class Proxy:
                 continue
             self.metrics.rerouted_requests.labels(str(response.status), *gvr).inc()
             return response
+        if last is None:  # membership dropped every candidate since the decision
+            return self._unavailable(info, routing.Decision(routing.UNAVAILABLE, "", candidates))
         self.metrics.rerouted_requests.labels("503", *gvr).inc()
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        if last is None:
-            return self._unavailable(info, routing.Decision(routing.UNAVAILABLE, "", candidates))
         return _upstream_failure(last, "every capable peer")
 
     async def _openapi_index(self, request: web.Request,
