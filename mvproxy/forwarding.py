@@ -135,8 +135,14 @@ class ForwardError(Exception):
 
 
 def _may_resend(exc: UpstreamError, method: str, body_started: bool) -> bool:
-    """Never resend bytes that may have reached a server, unless the method is idempotent."""
-    if isinstance(exc, UpstreamConnectError) and not body_started:
+    """Never resend bytes that may have reached a server, unless the method is idempotent.
+
+    A body already read from the downstream is gone: it cannot be sent again, whatever
+    the method.
+    """
+    if body_started:
+        return False
+    if isinstance(exc, UpstreamConnectError):
         return True
     return method in IDEMPOTENT
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from mvproxy.errors import (
     UpstreamConnectError,
@@ -114,10 +115,16 @@ class Transport:
                    headers: Mapping[str, str], data=None, long_running: bool = False,
                    timeout: aiohttp.ClientTimeout | None = None
                    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send a request and yield the response with its body still unread (streaming)."""
+        """Send a request and yield the response with its body still unread (streaming).
+
+        ``path_qs`` goes out byte for byte: ``encoded=True`` stops yarl from requoting
+        it (``%7E`` -> ``~``, ``%2f`` -> ``%2F``), which would change what the upstream
+        authorizes and audits.
+        """
         session = self._session(upstream)
+        target = path_qs if isinstance(path_qs, URL) else URL(path_qs, encoded=True)
         with _mapped(upstream):
-            async with session.request(method, path_qs, headers=headers, data=data,
+            async with session.request(method, target, headers=headers, data=data,
                                        allow_redirects=False, compress=None,
                                        timeout=timeout or self._timeout(long_running)) as resp:
                 yield resp

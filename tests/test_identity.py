@@ -1,0 +1,258 @@
+"""identity: who a downstream is, from its (already TLS-verified) client certificate.
+
+The PKI is the development one (``pki.init_pki``): the cluster CA signs the admin
+certificate, every server's peer certificate (CN ``mvproxy-peer``) and, here, a user
+certificate for alice. A second, unrelated PKI provides look-alike certificates whose
+CA has the *same name* (``mvproxy-ca``) but another key: only the signature tells
+them apart.
+
+Expectation, from DESIGN.md "Identity": a cluster-CA certificate whose CN is not in
+``peer.allowedNames`` is an ordinary USER (the cluster CA signs user certificates
+too), never a peer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from multidict import CIMultiDict
+
+from mvproxy import identity, pki
+from mvproxy.identity import (
+    ANONYMOUS,
+    ANONYMOUS_DOWNSTREAM,
+    PEER,
+    USER,
+    Downstream,
+    IdentityResolver,
+    identity_headers,
+    is_identity_header,
+    is_peer_proxied,
+)
+
+PEER_NAME = "mvproxy-peer"
+
+
+def issue(root: Path, cn: str | None, orgs: tuple[str, ...] = ()) -> bytes:
+    """DER of a client certificate signed by ``root``'s cluster CA."""
+    ca_cert = x509.load_pem_x509_certificate((root / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((root / "ca.key").read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    attrs = ([x509.NameAttribute(NameOID.COMMON_NAME, cn)] if cn else []) + [
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
+    now = datetime.now(timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name(attrs))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.DER)
+
+
+def der(path: Path) -> bytes:
+    return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(
+        serialization.Encoding.DER)
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> tuple[Path, Path]:
+    """(cluster PKI, rogue PKI with a same-named CA)."""
+    good = tmp_path_factory.mktemp("pki") / "pki"
+    rogue = tmp_path_factory.mktemp("rogue") / "pki"
+    pki.init_pki(good, ["a", "b"], days=2)
+    pki.init_pki(rogue, ["x"], days=2)
+    return good, rogue
+
+
+@pytest.fixture(scope="module")
+def certs(roots) -> dict[str, bytes]:
+    good, rogue = roots
+    return {
+        "peer a": der(good / "a" / "peer.crt"),
+        "peer b": der(good / "b" / "peer.crt"),
+        "admin": der(good / "admin.crt"),
+        "alice": issue(good, "alice", ("viewer", "team-x")),
+        "no cn": issue(good, None, ("viewer",)),
+        "serving cert (CN mvproxy)": der(good / "a" / "mvproxy.crt"),
+        "front-proxy client (other CA)": der(good / "a" / "front-proxy-client.crt"),
+        "rogue peer": der(rogue / "x" / "peer.crt"),
+        "rogue admin": der(rogue / "admin.crt"),
+        "rogue alice": issue(rogue, "alice", ("viewer",)),
+    }
+
+
+@pytest.fixture(scope="module")
+def resolver(roots) -> IdentityResolver:
+    """The usual deployment: the cluster CA verifies both users and peers."""
+    good, _ = roots
+    return IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                            peer_ca_file=str(good / "ca.crt"), peer_allowed_names=[PEER_NAME])
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("peer a", Downstream(PEER, PEER_NAME)),
+    ("peer b", Downstream(PEER, PEER_NAME)),
+    ("admin", Downstream(USER, "kubernetes-admin", ("system:masters",))),
+    ("alice", Downstream(USER, "alice", ("viewer", "team-x"))),
+    ("serving cert (CN mvproxy)", Downstream(USER, "mvproxy")),
+    ("no cn", ANONYMOUS_DOWNSTREAM),
+    ("front-proxy client (other CA)", ANONYMOUS_DOWNSTREAM),
+    ("rogue peer", ANONYMOUS_DOWNSTREAM),
+    ("rogue admin", ANONYMOUS_DOWNSTREAM),
+    ("rogue alice", ANONYMOUS_DOWNSTREAM),
+], ids=[
+    "peer cert is a PEER",
+    "every server's peer cert is a PEER",
+    "admin cert is a USER in system:masters",
+    "user cert: CN is the user, O the groups",
+    "cluster-CA cert whose CN is not an allowed name is a USER",
+    "cluster-CA cert without a CN is ANONYMOUS",
+    "cert from a CA that is neither client nor peer CA is ANONYMOUS",
+    "CN mvproxy-peer from an untrusted same-named CA is ANONYMOUS",
+    "admin look-alike from an untrusted CA is ANONYMOUS",
+    "user look-alike from an untrusted CA is ANONYMOUS",
+])
+def test_shared_ca(resolver, certs, name, expected):
+    assert resolver.resolve(certs[name]) == expected
+
+
+@pytest.mark.parametrize("cert", [None, b""], ids=["no certificate", "empty certificate"])
+def test_no_certificate_is_anonymous(resolver, cert):
+    assert resolver.resolve(cert) is ANONYMOUS_DOWNSTREAM
+    assert ANONYMOUS_DOWNSTREAM.kind == ANONYMOUS and not ANONYMOUS_DOWNSTREAM.is_peer
+
+
+def test_peer_name_not_allowed_is_a_user(roots, certs):
+    good, _ = roots
+    strict = IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                              peer_ca_file=str(good / "ca.crt"),
+                              peer_allowed_names=["someone-else"])
+    assert strict.resolve(certs["peer a"]) == Downstream(USER, PEER_NAME)
+    assert not strict.resolve(certs["peer a"]).is_peer
+
+
+@pytest.fixture(scope="module")
+def split(roots) -> IdentityResolver:
+    """Users from the cluster CA, peers from a separate peer CA (the rogue one here)."""
+    good, rogue = roots
+    return IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                            peer_ca_file=str(rogue / "ca.crt"), peer_allowed_names=[PEER_NAME])
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("rogue peer", PEER),
+    ("peer a", USER),
+    ("rogue alice", ANONYMOUS),
+    ("alice", USER),
+], ids=[
+    "allowed CN from the peer CA is a PEER",
+    "allowed CN from the client CA only is a USER, not a peer",
+    "other CN from the peer CA only is ANONYMOUS",
+    "user from the client CA is a USER",
+])
+def test_separate_peer_ca(split, certs, name, kind):
+    assert split.resolve(certs[name]).kind == kind
+
+
+def test_without_client_ca_only_peers_are_recognised(roots, certs):
+    good, _ = roots
+    peers_only = IdentityResolver(client_ca_file=None, peer_ca_file=str(good / "ca.crt"),
+                                  peer_allowed_names=[PEER_NAME])
+    assert peers_only.resolve(certs["peer a"]).kind == PEER
+    assert peers_only.resolve(certs["admin"]) is ANONYMOUS_DOWNSTREAM
+    nothing = IdentityResolver(client_ca_file=None, peer_ca_file=None,
+                               peer_allowed_names=[PEER_NAME])
+    assert nothing.resolve(certs["peer a"]) is ANONYMOUS_DOWNSTREAM
+
+
+def test_unreadable_ca_file_is_a_pki_error(tmp_path):
+    from mvproxy.errors import PKIError
+    with pytest.raises(PKIError, match="client CA file"):
+        IdentityResolver(client_ca_file=str(tmp_path / "missing.crt"), peer_ca_file=None,
+                         peer_allowed_names=[])
+
+
+# --------------------------------------------------------------------------- memoisation
+
+def test_memoised_by_der(roots, certs, monkeypatch):
+    good, _ = roots
+    r = IdentityResolver(client_ca_file=str(good / "ca.crt"), peer_ca_file=str(good / "ca.crt"),
+                         peer_allowed_names=[PEER_NAME])
+    calls = []
+    original = r._classify
+    monkeypatch.setattr(r, "_classify", lambda d: calls.append(d) or original(d))
+    first = r.resolve(certs["alice"])
+    assert r.resolve(certs["alice"]) is first
+    assert r.resolve(bytes(certs["alice"])) is first  # equal bytes, other object
+    assert len(calls) == 1
+
+
+def test_memo_is_bounded(roots, certs, monkeypatch):
+    good, _ = roots
+    r = IdentityResolver(client_ca_file=str(good / "ca.crt"), peer_ca_file=str(good / "ca.crt"),
+                         peer_allowed_names=[PEER_NAME], memo_size=2)
+    calls = []
+    original = r._classify
+    monkeypatch.setattr(r, "_classify", lambda d: calls.append(d) or original(d))
+    for name in ("alice", "admin", "peer a", "alice"):
+        r.resolve(certs[name])
+    assert len(calls) == 4  # alice was evicted by the third certificate
+    assert len(r._memo) == 2
+
+
+# --------------------------------------------------------------------------- peer-proxied
+
+PEER_DS = Downstream(PEER, PEER_NAME)
+USER_DS = Downstream(USER, "alice", ("viewer",))
+
+
+@pytest.mark.parametrize("downstream, value, expected", [
+    (PEER_DS, "true", True),
+    (PEER_DS, "True", True),
+    (PEER_DS, "TRUE", True),
+    (PEER_DS, "false", False),
+    (PEER_DS, "1", False),
+    (PEER_DS, "", False),
+    (PEER_DS, " true", False),
+    (PEER_DS, None, False),
+    (USER_DS, "true", False),
+    (ANONYMOUS_DOWNSTREAM, "true", False),
+], ids=[
+    "peer with true", "peer with True", "peer with TRUE", "peer with false", "peer with 1",
+    "peer with empty value", "peer with padded value", "peer without the header",
+    "user with true is not trusted", "anonymous with true is not trusted",
+])
+def test_is_peer_proxied(downstream, value, expected):
+    headers = CIMultiDict() if value is None else CIMultiDict(
+        {"X-Kubernetes-Peer-Proxied": value})  # header names are case-insensitive
+    assert is_peer_proxied(downstream, headers) is expected
+
+
+def test_identity_headers():
+    assert identity_headers(Downstream(USER, "alice", ("viewer", "team-x"))) == [
+        ("X-Remote-User", "alice"), ("X-Remote-Group", "viewer"), ("X-Remote-Group", "team-x")]
+    assert identity_headers(Downstream(USER, "bob")) == [("X-Remote-User", "bob")]
+    assert identity_headers(PEER_DS) == []  # a peer's own X-Remote-* pass through instead
+    assert identity_headers(ANONYMOUS_DOWNSTREAM) == []
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("X-Remote-User", True), ("x-remote-group", True), ("X-Remote-Uid", True),
+    ("X-Remote-Extra-Scopes", True), ("X-REMOTE-EXTRA-acme.com%2Fproject", True),
+    ("x-kubernetes-peer-proxied", True), ("X-Kubernetes-Peer-Proxied", True),
+    ("Authorization", False), ("Impersonate-User", False), ("Impersonate-Group", False),
+    ("X-Remoteuser", False), ("X-Forwarded-For", False), ("Audit-ID", False),
+])
+def test_is_identity_header(name, expected):
+    assert is_identity_header(name) is expected
+
+
+def test_constants_match_upstream_names():
+    assert identity.PEER_PROXIED == "x-kubernetes-peer-proxied"
+    assert (identity.REMOTE_USER, identity.REMOTE_GROUP) == ("X-Remote-User", "X-Remote-Group")

@@ -1,0 +1,371 @@
+"""routing.decide: the request decision of DESIGN.md as a table, over real snapshots.
+
+The backend is a 1.35 server and the peers 1.36 (or the reverse for a downgrade):
+1.35 serves ``scheduling.k8s.io/v1alpha1`` (``workloads``), 1.36 replaces it with
+``v1alpha2`` (``workloads``, ``podgroups`` with ``podgroups/status``) and adds
+``resource.k8s.io/v1beta2 devicetaintrules``. Subresource and group cases that the
+catalogs do not contain (``pods/resize``, a group only a peer has) use small
+hand-made snapshots. Views come from a real ``DiscoveryCache`` driven by a fake clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+
+import pytest
+
+from mvproxy.cache import CacheView, DiscoveryCache
+from mvproxy.devcluster.catalog import load_catalog
+from mvproxy.devcluster.discoverydocs import aggregated
+from mvproxy.discovery import Snapshot
+from mvproxy.requestinfo import parse_request_info
+from mvproxy.routing import (
+    BACKEND,
+    DISCOVERY,
+    OPENAPI_INDEX,
+    PEER,
+    UNAVAILABLE,
+    Decision,
+    decide,
+)
+
+SELF, B, C = "apiserver-a", "apiserver-b", "apiserver-c"
+STALE_AFTER, FORGET_AFTER = 15.0, 600.0
+UP, DOWN, UNPOLLED, NEVER = "up", "down", "unpolled", "never answered"
+
+SCHED = "/apis/scheduling.k8s.io"
+PODGROUPS = f"{SCHED}/v1alpha2/namespaces/ns/podgroups"   # 1.36 only
+WORKLOADS_OLD = f"{SCHED}/v1alpha1/namespaces/ns/workloads"  # 1.35 only
+
+
+# --------------------------------------------------------------------------- snapshots
+
+def catalog_snapshot(version: str) -> Snapshot:
+    catalog = load_catalog(version)
+    return Snapshot(core=aggregated(catalog, core=True)["items"],
+                    groups=aggregated(catalog, core=False)["items"])
+
+
+def _group(name: str, version: str, resources: Mapping[str, tuple[str, ...]]) -> dict:
+    return {"metadata": {"name": name}, "versions": [{"version": version, "resources": [
+        {"resource": r, "verbs": ["get"], "subresources": [{"subresource": s} for s in subs]}
+        for r, subs in resources.items()]}]}
+
+
+def small(pod_subresources: tuple[str, ...], *groups: dict) -> Snapshot:
+    """A hand-made server: core v1 pods (with the given subresources) and ``groups``."""
+    return Snapshot(core=[_group("", "v1", {"pods": pod_subresources, "configmaps": ()})],
+                    groups=list(groups))
+
+
+V135, V136 = catalog_snapshot("1.35"), catalog_snapshot("1.36")
+OLD_PODS = small(("status", "log", "exec"))
+NEW_PODS = small(("status", "log", "exec", "resize"))
+WIDGETS = _group("widgets.example.com", "v1", {"widgets": ("status",)})
+WITH_WIDGETS = small(("status",), WIDGETS)
+
+
+# --------------------------------------------------------------------------- views
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None, str]]
+              ) -> CacheView:
+    """A view as polling would leave it.
+
+    ``local`` None: the backend's first poll failed. Each peer is (snapshot, state):
+    UP (polled, answered), DOWN (answered once, then silent past staleAfter: the
+    snapshot is kept, the peer is unreachable), NEVER (polled, never answered), or
+    UNPOLLED (no poll finished yet).
+    """
+    clock = Clock()
+    cache = DiscoveryCache(SELF, list(peers), stale_after=STALE_AFTER,
+                           forget_after=FORGET_AFTER, clock=clock)
+    if local is None:
+        cache.record_failure(SELF)
+    else:
+        cache.record_success(SELF, local)
+    for peer_id, (snapshot, state) in peers.items():
+        if state in (UP, DOWN):
+            cache.record_success(peer_id, snapshot)
+    clock.now += STALE_AFTER + 1
+    if local is not None:
+        cache.record_success(SELF, local)
+    for peer_id, (snapshot, state) in peers.items():
+        if state == UP:
+            cache.record_success(peer_id, snapshot)
+        elif state in (DOWN, NEVER):
+            cache.record_failure(peer_id)
+    return cache.view()
+
+
+VIEWS: dict[str, CacheView] = {
+    "upgrade": make_view(V135, {B: (V136, UP)}),
+    "upgrade, peer down": make_view(V135, {B: (V136, DOWN)}),
+    "two new peers": make_view(V135, {B: (V136, UP), C: (V136, UP)}),
+    "two new peers, one down": make_view(V135, {B: (V136, UP), C: (V136, DOWN)}),
+    "two new peers, both down": make_view(V135, {B: (V136, DOWN), C: (V136, DOWN)}),
+    "peer never answered": make_view(V135, {B: (None, NEVER)}),
+    "peer not polled yet": make_view(V135, {B: (V136, UNPOLLED)}),
+    "backend never answered": make_view(None, {B: (V136, UP)}),
+    "downgrade": make_view(V136, {B: (V135, UP)}),
+    "resize on peer": make_view(OLD_PODS, {B: (NEW_PODS, UP)}),
+    "resize on peer, down": make_view(OLD_PODS, {B: (NEW_PODS, DOWN)}),
+    "group on peer": make_view(OLD_PODS, {B: (WITH_WIDGETS, UP)}),
+    "group on peer, down": make_view(OLD_PODS, {B: (WITH_WIDGETS, DOWN)}),
+}
+
+
+def test_views_are_what_their_names_say():
+    assert VIEWS["upgrade"].synced and VIEWS["upgrade"].reachable == {B}
+    assert VIEWS["upgrade, peer down"].synced and not VIEWS["upgrade, peer down"].reachable
+    assert VIEWS["upgrade, peer down"].peers[B].snapshot is V136
+    assert VIEWS["two new peers, one down"].reachable == {B}
+    never = VIEWS["peer never answered"]
+    assert never.synced and never.peers[B].snapshot is None
+    assert not VIEWS["peer not polled yet"].synced
+    assert VIEWS["backend never answered"].backend.snapshot is None
+
+
+# --------------------------------------------------------------------------- the table
+
+def row(rule: str, view: str, method: str, path: str, route: str, peers=(), *,
+        query: str = "", peer_proxied: bool = False, reason: str | None = None):
+    return pytest.param(view, method, path, query, peer_proxied, route, tuple(peers), reason,
+                        id=rule)
+
+
+TABLE = [
+    # 1. loop guard
+    row("serve locally if already peer-proxied", "upgrade", "GET", PODGROUPS, BACKEND,
+        peer_proxied=True, reason="peer-proxied"),
+    row("peer-proxied beats an unreachable capable peer", "upgrade, peer down", "GET",
+        PODGROUPS, BACKEND, peer_proxied=True),
+    row("peer-proxied discovery goes to the backend (local view)", "upgrade", "GET", "/apis",
+        BACKEND, peer_proxied=True, reason="peer-proxied"),
+    # 2. discovery
+    row("discovery /api", "upgrade", "GET", "/api", DISCOVERY),
+    row("discovery /api/ with slash", "upgrade", "GET", "/api/", DISCOVERY),
+    row("discovery /apis", "upgrade", "GET", "/apis", DISCOVERY),
+    row("discovery /apis/ with slash", "upgrade", "GET", "/apis/", DISCOVERY),
+    row("discovery HEAD /apis", "upgrade", "HEAD", "/apis", DISCOVERY),
+    row("discovery before the first sync is still the discovery handler's",
+        "peer not polled yet", "GET", "/apis", DISCOVERY),
+    row("POST /apis is not discovery", "upgrade", "POST", "/apis", BACKEND,
+        reason="not an API request"),
+    row("DELETE /api is not discovery", "upgrade", "DELETE", "/api", BACKEND),
+    # 6. before the first sync
+    row("before the first sync everything goes to the backend", "peer not polled yet", "GET",
+        PODGROUPS, BACKEND, reason="not synced"),
+    row("before the first sync /apis/<g>/<v> goes to the backend", "peer not polled yet",
+        "GET", f"{SCHED}/v1alpha2", BACKEND, reason="not synced"),
+    row("backend never answered: everything goes to the backend", "backend never answered",
+        "GET", PODGROUPS, BACKEND, reason="not synced"),
+    # 4. resource requests
+    row("resource the backend serves stays local", "upgrade", "GET",
+        "/api/v1/namespaces/ns/pods", BACKEND, reason="served locally"),
+    row("resource both serve stays local", "upgrade", "GET",
+        "/apis/apps/v1/namespaces/ns/deployments/web", BACKEND, reason="served locally"),
+    row("resource only a peer serves goes to that peer (list)", "upgrade", "GET", PODGROUPS,
+        PEER, [B]),
+    row("resource only a peer serves goes to that peer (get by name)", "upgrade", "GET",
+        f"{PODGROUPS}/pg-1", PEER, [B]),
+    row("create of a peer-only resource goes to the peer", "upgrade", "POST", PODGROUPS,
+        PEER, [B]),
+    row("deletecollection of a peer-only resource goes to the peer", "upgrade", "DELETE",
+        PODGROUPS, PEER, [B]),
+    row("cluster-scoped resource of a new version of an existing group goes to the peer",
+        "upgrade", "GET", "/apis/resource.k8s.io/v1beta2/devicetaintrules", PEER, [B]),
+    row("a version only the backend still serves stays local", "upgrade", "GET",
+        WORKLOADS_OLD, BACKEND, reason="served locally"),
+    row("downgrade: old version only a peer still serves goes to it", "downgrade", "GET",
+        WORKLOADS_OLD, PEER, [B]),
+    row("watch via legacy /watch/ prefix is routed by its resource", "upgrade", "GET",
+        f"{SCHED}/v1alpha2/watch/namespaces/ns/podgroups", PEER, [B]),
+    row("watch via ?watch=1 is routed by its resource", "upgrade", "GET", PODGROUPS, PEER, [B],
+        query="watch=1&resourceVersion=0"),
+    row("legacy /watch/ of a local resource stays local", "upgrade", "GET",
+        "/api/v1/watch/namespaces/ns/pods", BACKEND),
+    row("503 when every capable peer is unreachable", "upgrade, peer down", "GET", PODGROUPS,
+        UNAVAILABLE, [B], reason="capable peers unreachable"),
+    row("503 names every capable peer when all are unreachable", "two new peers, both down",
+        "GET", PODGROUPS, UNAVAILABLE, [B, C]),
+    row("an unreachable capable peer is skipped when another is reachable",
+        "two new peers, one down", "GET", PODGROUPS, PEER, [B]),
+    row("genuine 404 when nobody serves it", "upgrade", "GET",
+        "/apis/example.com/v1/namespaces/ns/nothings", BACKEND, reason="served by nobody"),
+    row("genuine 404 for an unknown resource of a known version", "upgrade", "GET",
+        "/api/v1/namespaces/ns/nothings", BACKEND, reason="served by nobody"),
+    row("a peer that never answered is not capable: backend 404", "peer never answered", "GET",
+        PODGROUPS, BACKEND, reason="served by nobody"),
+    row("legacy /watch with nothing after it goes to the backend", "upgrade", "GET",
+        "/api/v1/watch", BACKEND),
+    # subresources (hand-made snapshots)
+    row("new subresource pods/resize goes to the peer that has it", "resize on peer", "PATCH",
+        "/api/v1/namespaces/ns/pods/web/resize", PEER, [B]),
+    row("new subresource pods/resize with its only peer down is 503", "resize on peer, down",
+        "PATCH", "/api/v1/namespaces/ns/pods/web/resize", UNAVAILABLE, [B]),
+    row("a subresource the backend has stays local", "resize on peer", "GET",
+        "/api/v1/namespaces/ns/pods/web/status", BACKEND, reason="served locally"),
+    row("pods/exec the backend has stays local", "resize on peer", "POST",
+        "/api/v1/namespaces/ns/pods/web/exec", BACKEND, reason="served locally"),
+    row("a subresource nobody has gets the backend's 404", "resize on peer", "GET",
+        "/api/v1/namespaces/ns/pods/web/bogus", BACKEND, reason="served by nobody"),
+    row("the pod itself stays local though only the peer has resize", "resize on peer", "GET",
+        "/api/v1/namespaces/ns/pods/web", BACKEND, reason="served locally"),
+    row("a subresource of a peer-only resource goes to the peer", "upgrade", "PUT",
+        f"{PODGROUPS}/pg-1/status", PEER, [B]),
+    # 3. /apis/<g>, /apis/<g>/<v>, /openapi/v3/apis/<g>/<v>
+    row("legacy /apis/<g>/<v> of a peer-only group version goes to the peer", "upgrade", "GET",
+        f"{SCHED}/v1alpha2", PEER, [B]),
+    row("legacy /apis/<g>/<v>/ with slash goes to the peer too", "upgrade", "GET",
+        f"{SCHED}/v1alpha2/", PEER, [B]),
+    row("/apis/<g>/<v> the backend serves stays local", "upgrade", "GET", f"{SCHED}/v1alpha1",
+        BACKEND, reason="served locally"),
+    row("/apis/<g>/<v> nobody serves gets the backend's 404", "upgrade", "GET",
+        f"{SCHED}/v9", BACKEND, reason="served by nobody"),
+    row("/apis/<g>/<v> of an unreachable peer-only version is 503", "upgrade, peer down", "GET",
+        f"{SCHED}/v1alpha2", UNAVAILABLE, [B]),
+    row("/openapi/v3/apis/<g>/<v> follows the group version", "upgrade", "GET",
+        f"/openapi/v3{SCHED}/v1alpha2", PEER, [B], query="hash=ABC"),
+    row("/openapi/v3/apis/<g>/<v> the backend serves stays local", "upgrade", "GET",
+        f"/openapi/v3{SCHED}/v1alpha1", BACKEND, reason="served locally"),
+    row("/openapi/v3/apis/<g>/<v> of an unreachable peer is 503", "upgrade, peer down", "GET",
+        f"/openapi/v3{SCHED}/v1alpha2", UNAVAILABLE, [B]),
+    row("/apis/<g> for a group only a peer serves", "group on peer", "GET",
+        "/apis/widgets.example.com", PEER, [B]),
+    row("/apis/<g> for a group only an unreachable peer serves is 503", "group on peer, down",
+        "GET", "/apis/widgets.example.com", UNAVAILABLE, [B]),
+    row("/apis/<g> the backend serves stays local though a peer has more versions", "upgrade",
+        "GET", SCHED, BACKEND, reason="served locally"),
+    row("/apis/<g> nobody serves gets the backend's 404", "upgrade", "GET",
+        "/apis/nothing.example.com", BACKEND, reason="served by nobody"),
+    row("resource of a group only a peer serves goes to the peer", "group on peer", "GET",
+        "/apis/widgets.example.com/v1/widgets", PEER, [B]),
+    # 5. everything else
+    row("/api/v1 stays local", "upgrade", "GET", "/api/v1", BACKEND),
+    row("/healthz goes to the backend", "upgrade", "GET", "/healthz", BACKEND,
+        reason="not an API request"),
+    row("/version goes to the backend", "upgrade", "GET", "/version", BACKEND,
+        reason="not an API request"),
+    row("/openapi/v2 goes to the backend", "upgrade", "GET", "/openapi/v2", BACKEND,
+        reason="not an API request"),
+    row("GET /openapi/v3 index is merged with peer-only group versions", "upgrade", "GET",
+        "/openapi/v3", OPENAPI_INDEX),
+    row("GET /openapi/v3/ index with slash too", "upgrade", "GET", "/openapi/v3/",
+        OPENAPI_INDEX),
+    row("POST /openapi/v3 is not the index", "upgrade", "POST", "/openapi/v3", BACKEND,
+        reason="not an API request"),
+    row("peer-proxied /openapi/v3 goes to the backend", "upgrade", "GET", "/openapi/v3",
+        BACKEND, peer_proxied=True),
+    row("/openapi/v3/api/v1 goes to the backend", "upgrade", "GET", "/openapi/v3/api/v1",
+        BACKEND),
+]
+
+
+@pytest.mark.parametrize(
+    "view, method, path, query, peer_proxied, route, peers, reason", TABLE)
+def test_decision(view, method, path, query, peer_proxied, route, peers, reason):
+    info = parse_request_info(method, path, query)
+    decision = decide(info, VIEWS[view], peer_proxied=peer_proxied, rng=random.Random(0))
+    assert (decision.route, decision.peers) == (route, peers), decision
+    if reason is not None:
+        assert decision.reason == reason
+    assert isinstance(decision, Decision)
+
+
+def test_table_ids_are_unique():
+    ids = [p.id for p in TABLE]
+    assert len(ids) == len(set(ids))
+
+
+# --------------------------------------------------------------------------- random choice
+
+def test_two_capable_peers_are_tried_in_both_orders():
+    view = VIEWS["two new peers"]
+    info = parse_request_info("GET", PODGROUPS)
+    rng = random.Random(1234)
+    orders = {decide(info, view, peer_proxied=False, rng=rng).peers for _ in range(200)}
+    assert orders == {(B, C), (C, B)}
+
+
+def test_an_unreachable_peer_never_appears():
+    view = VIEWS["two new peers, one down"]
+    info = parse_request_info("GET", PODGROUPS)
+    rng = random.Random(1234)
+    for _ in range(200):
+        assert decide(info, view, peer_proxied=False, rng=rng).peers == (B,)
+
+
+def test_without_an_rng_the_module_random_is_used():
+    view = VIEWS["two new peers"]
+    decision = decide(parse_request_info("GET", PODGROUPS), view, peer_proxied=False)
+    assert decision.route == PEER and sorted(decision.peers) == [B, C]
+
+
+def test_same_seed_same_order():
+    view = VIEWS["two new peers"]
+    info = parse_request_info("GET", PODGROUPS)
+    first = [decide(info, view, peer_proxied=False, rng=random.Random(7)).peers
+             for _ in range(3)]
+    assert len(set(first)) == 1
+
+
+# --------------------------------------------------------------------------- cost
+
+class NoIterSet(frozenset):
+    """A set that answers membership but refuses to be walked."""
+
+    def __iter__(self):
+        raise AssertionError("decide iterated a snapshot index")
+
+
+class NoIterMap(dict):
+    def __iter__(self):
+        raise AssertionError("decide iterated the capability index")
+
+    def keys(self):
+        raise AssertionError("decide iterated the capability index")
+
+    def items(self):
+        raise AssertionError("decide iterated the capability index")
+
+    def values(self):
+        raise AssertionError("decide iterated the capability index")
+
+
+def _unwalkable(snapshot: Snapshot) -> Snapshot:
+    copy = Snapshot(core=snapshot.core, groups=snapshot.groups)
+    for attr in ("group_versions", "gvrs", "subresources"):
+        object.__setattr__(copy, attr, NoIterSet(getattr(snapshot, attr)))
+    return copy
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", PODGROUPS), ("GET", "/api/v1/namespaces/ns/pods"), ("GET", f"{SCHED}/v1alpha2"),
+    ("GET", SCHED), ("GET", f"/openapi/v3{SCHED}/v1alpha2"), ("GET", "/apis/x.example/v1/ys"),
+    ("PATCH", "/api/v1/namespaces/ns/pods/web/status"),
+])
+def test_decide_only_probes_indexes(method, path):
+    """Every lookup is a set/dict probe: nothing is walked per request."""
+    view = VIEWS["two new peers"]
+    backend = dataclasses.replace(view.backend, snapshot=_unwalkable(view.backend.snapshot))
+    peers = {p: dataclasses.replace(s, snapshot=_unwalkable(s.snapshot))
+             for p, s in view.peers.items()}
+    probed = dataclasses.replace(
+        view, backend=backend, peers=peers, capable=NoIterMap(view.capable),
+        capable_gv=NoIterMap(view.capable_gv), capable_group=NoIterMap(view.capable_group),
+        local_groups=NoIterSet(view.local_groups))
+    expected = decide(parse_request_info(method, path), view, peer_proxied=False,
+                      rng=random.Random(0))
+    got = decide(parse_request_info(method, path), probed, peer_proxied=False,
+                 rng=random.Random(0))
+    assert got == expected
