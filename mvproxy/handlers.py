@@ -103,7 +103,7 @@ class Proxy:
                         candidates: tuple[str, ...], long_running: bool) -> web.StreamResponse:
         """Try capable peers in order; move on only when nothing may have reached one."""
         upstreams = self.peers()
-        gvr = (info.api_group, info.api_version, info.resource)
+        gvr = _gvr_labels(info)
         last: ForwardError | None = None
         for index, peer_id in enumerate(candidates):
             upstream = upstreams.get(peer_id)
@@ -156,13 +156,21 @@ class Proxy:
             "Content-Type": answer.headers.get("Content-Type", "application/json")})
 
     def _unavailable(self, info: RequestInfo, decision: routing.Decision) -> web.Response:
-        gvr = (info.api_group, info.api_version, info.resource)
+        gvr = _gvr_labels(info)
         self.metrics.peer_proxy_errors.labels("endpoint_resolution", *gvr).inc()
         what = "/".join(p for p in gvr if p)
         return status_response(
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
+    """Metric labels; only requests some peer's discovery lists get here, so bounded."""
+    if info.is_resource_request:
+        return info.api_group, info.api_version, info.resource
+    group, version = routing.group_version_path(info) or ("", "")
+    return group, version, ""
 
 
 _FAILURES = ((UpstreamConnectError, "cannot connect"), (UpstreamTimeout, "timed out"))

@@ -71,13 +71,13 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
         capable = view.capable_peers(info.api_group, info.api_version, info.resource,
                                      info.subresource)
         return _among(capable, view, rng)
-    group_version = _group_version_path(info)
+    group_version = group_version_path(info)
     if group_version is None:
         return TO_BACKEND_OTHER
     return _decide_group_version(*group_version, view, rng)
 
 
-def _group_version_path(info: RequestInfo) -> tuple[str, str] | None:
+def group_version_path(info: RequestInfo) -> tuple[str, str] | None:
     """(group, version or "") for ``/apis/<g>[/<v>]`` and ``/openapi/v3/apis/<g>/<v>``."""
     if info.api_prefix == "apis" and info.api_group:
         return info.api_group, info.api_version
