@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--token-auth-file", metavar="FILE",
                      help="static tokens, kube-apiserver CSV format")
     sim.add_argument("--audit-log-path", metavar="FILE", help="JSON-lines audit log")
+    sim.add_argument("--runtime-config", default="", metavar="KEY=false,...",
+                     help="turn off group/versions (apps/v1, core: v1) or, sim only, one "
+                          "subresource (v1/pods/exec), like kube-apiserver's flag")
     sim.add_argument("-v", "--v", dest="verbosity", type=int, default=2, metavar="N")
     sim.add_argument("--log-format", choices=("text", "json"), default="text")
 

@@ -216,3 +216,84 @@ def test_legacy_group_documents():
                                                                    "autoscaling/v1"]
     assert discoverydocs.api_group(catalog, "") is None
     assert discoverydocs.api_group(catalog, "lifecycle.k8s.io") is None
+
+
+# --------------------------------------------------------------------------- --runtime-config
+
+
+def test_without_a_group_version_drops_it_and_keeps_the_rest():
+    catalog = load_catalog("1.35")
+    trimmed = catalog.without(["scheduling.k8s.io/v1alpha1"])
+    assert trimmed.group_version("scheduling.k8s.io", "v1alpha1") is None
+    assert [v.version for v in trimmed.group("scheduling.k8s.io").versions] == ["v1"]
+    assert [g.name for g in trimmed.groups] == [g.name for g in catalog.groups]
+    assert trimmed.git_version == catalog.git_version
+    # Pure: the shipped catalog is unchanged.
+    assert catalog.group_version("scheduling.k8s.io", "v1alpha1") is not None
+
+
+def test_without_the_last_version_drops_the_group():
+    catalog = load_catalog("1.35")
+    trimmed = catalog.without(["apps/v1"])
+    assert trimmed.group("apps") is None
+    assert [g.name for g in trimmed.groups] == [g.name for g in catalog.groups if g.name != "apps"]
+
+
+@pytest.mark.parametrize("key", ["v1", "api/v1", "/v1"])
+def test_core_group_version_spellings(key):
+    trimmed = load_catalog("1.36").without([key])
+    assert trimmed.group("") is None and trimmed.group("apps") is not None
+
+
+@pytest.mark.parametrize("key", ["v1/pods/exec", "/v1/pods/exec"])
+def test_without_one_subresource(key):
+    catalog = load_catalog("1.35")
+    trimmed = catalog.without([key])
+    pods = trimmed.resource("", "v1", "pods")
+    assert pods.subresource("exec") is None
+    before = [s.subresource for s in catalog.resource("", "v1", "pods").subresources]
+    assert [s.subresource for s in pods.subresources] == [s for s in before if s != "exec"]
+    assert pods.verbs == catalog.resource("", "v1", "pods").verbs
+    assert trimmed.resource("", "v1", "configmaps") == catalog.resource("", "v1", "configmaps")
+
+
+def test_without_a_grouped_subresource():
+    trimmed = load_catalog("1.36").without(["apps/v1/deployments/scale"])
+    assert trimmed.resource("apps", "v1", "deployments").subresource("scale") is None
+    assert trimmed.resource("apps", "v1", "deployments").subresource("status") is not None
+    assert trimmed.resource("apps", "v1", "replicasets").subresource("scale") is not None
+
+
+@pytest.mark.parametrize("key,message", [
+    ("nope.k8s.io/v1", "no group/version nope.k8s.io/v1"),
+    ("v2", "no group/version v2"),
+    ("v1/pods/teleport", "no subresource pods/teleport"),
+    ("apps/v1/gizmos/status", "no subresource gizmos/status"),
+    ("a/b/c/d/e", "expected group/version"),
+    ("apps//v1", "empty segment"),
+])
+def test_without_rejects_keys_that_name_nothing(key, message):
+    with pytest.raises(ValueError, match=message):
+        load_catalog("1.36").without([key])
+
+
+def test_disabled_keys_parses_the_flag_value():
+    from mvproxy.devcluster.catalog import disabled_keys
+
+    assert disabled_keys("") == [] and disabled_keys(None) == []
+    assert disabled_keys("v1/pods/exec=false, apps/v1=False,batch/v1=true,storage.k8s.io/v1") \
+        == ["v1/pods/exec", "apps/v1"]
+    with pytest.raises(ValueError, match="true or false"):
+        disabled_keys("apps/v1=off")
+    with pytest.raises(ValueError, match="expected group/version"):
+        disabled_keys("a/b/c/d/e=true")
+
+
+def test_sim_refuses_a_bad_runtime_config(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mvproxy", "sim", "--server-id", "x", "--pki", str(tmp_path),
+         "--secure-port", "1", "--store", str(tmp_path / "s.db"),
+         "--runtime-config", "v1/pods/teleport=false"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert "no subresource pods/teleport" in done.stderr

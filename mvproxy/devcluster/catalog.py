@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from importlib import resources
 
 _CATALOG_DIR = "catalogs"
@@ -98,6 +99,92 @@ class Catalog:
     def resource(self, group: str, version: str, resource: str) -> ResourceEntry | None:
         entry = self.group_version(group, version)
         return entry.resource(resource) if entry else None
+
+    def without(self, keys: Iterable[str]) -> Catalog:
+        """This catalog minus what ``keys`` name (``--runtime-config`` keys set to false).
+
+        ``group/version`` (core: ``v1`` or ``api/v1``) removes a whole group/version (and
+        the group once it has no version left); the sim-only extension
+        ``group/version/resource/subresource`` (core: ``v1/pods/exec`` or
+        ``/v1/pods/exec``) removes one subresource. ValueError names a malformed key or
+        one that names nothing in this catalog, so a typo never goes unnoticed.
+        """
+        drop_gv: set[tuple[str, str]] = set()
+        drop_sub: set[tuple[str, str, str, str]] = set()
+        for key in keys:
+            parsed = _runtime_key(key)
+            if len(parsed) == 2:
+                if self.group_version(*parsed) is None:
+                    raise ValueError(f"runtime-config key {key!r}: no group/version "
+                                     f"{_gv(*parsed)} in Kubernetes {self.kubernetes_version}")
+                drop_gv.add(parsed)
+            else:
+                group, version, resource, sub = parsed
+                entry = self.resource(group, version, resource)
+                if entry is None or entry.subresource(sub) is None:
+                    raise ValueError(f"runtime-config key {key!r}: no subresource "
+                                     f"{resource}/{sub} in {_gv(group, version)} of "
+                                     f"Kubernetes {self.kubernetes_version}")
+                drop_sub.add(parsed)
+        groups = []
+        for g in self.groups:
+            versions = []
+            for v in g.versions:
+                if (g.name, v.version) in drop_gv:
+                    continue
+                resources = tuple(
+                    replace(r, subresources=tuple(
+                        s for s in r.subresources
+                        if (g.name, v.version, r.resource, s.subresource) not in drop_sub))
+                    for r in v.resources)
+                versions.append(VersionEntry(v.version, resources))
+            if versions:
+                groups.append(GroupEntry(g.name, tuple(versions)))
+        return Catalog(self.kubernetes_version, self.git_version, tuple(groups))
+
+
+_CORE_PREFIXES = ("", "api")
+
+
+def _gv(group: str, version: str) -> str:
+    return f"{group}/{version}" if group else version
+
+
+def _runtime_key(key: str) -> tuple[str, ...]:
+    """``(group, version)`` or ``(group, version, resource, subresource)``; "" is core."""
+    parts = key.strip().removeprefix("/").split("/")
+    if any(not p for p in parts):
+        raise ValueError(f"runtime-config key {key!r}: empty segment")
+    if len(parts) == 1:  # "v1": the core group/version
+        return ("", parts[0])
+    if len(parts) == 2:
+        return ("" if parts[0] in _CORE_PREFIXES else parts[0], parts[1])
+    if len(parts) == 3:  # "v1/pods/exec": a core subresource
+        return ("", *parts)
+    if len(parts) == 4:
+        return tuple(parts)
+    raise ValueError(f"runtime-config key {key!r}: expected group/version or "
+                     f"group/version/resource/subresource")
+
+
+def disabled_keys(runtime_config: str | None) -> list[str]:
+    """The keys a ``--runtime-config`` value (``KEY=false,KEY2=false``) turns off.
+
+    ``KEY`` or ``KEY=true`` asks for something a catalog already serves and is accepted
+    as a no-op; any other value is a ValueError.
+    """
+    disabled = []
+    for item in (runtime_config or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        value = value.strip().lower() if sep else "true"
+        if value not in ("true", "false"):
+            raise ValueError(f"runtime-config {item.strip()!r}: value must be true or false")
+        _runtime_key(key)  # malformed keys fail even when set to true
+        if value == "false":
+            disabled.append(key.strip())
+    return disabled
 
 
 def _catalog_files() -> resources.abc.Traversable:

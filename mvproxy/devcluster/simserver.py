@@ -24,7 +24,7 @@ from mvproxy.logs import kv
 from mvproxy.requestinfo import RequestInfo, parse_request_info
 
 from . import apistatus, simwatch
-from .catalog import Catalog, load_catalog
+from .catalog import Catalog, disabled_keys, load_catalog
 from .simauth import REQUEST_INFO
 from .simdiscovery import Discovery, health, version_info
 from .simopenapi import PREFIX, OpenAPI
@@ -161,6 +161,7 @@ def run_sim(args: Any) -> int:
     """Serve until SIGTERM/SIGINT, then stop cleanly; input errors raise (exit 2)."""
     try:
         catalog = load_catalog(args.kubernetes_version)
+        catalog = catalog.without(disabled_keys(getattr(args, "runtime_config", "")))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     pki = Path(args.pki)
