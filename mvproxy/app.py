@@ -124,8 +124,11 @@ async def running(daemon: Daemon):
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
     grace = cfg.timeouts.shutdown_grace_period
+    # handler_cancellation: a downstream that goes away cancels its handler, which
+    # closes the upstream request; otherwise a watch whose client left stays open
+    # upstream (and on every peer hop) until the next event arrives to fail the write.
     main = web.AppRunner(build_proxy_app(daemon), access_log=None, shutdown_timeout=grace,
-                         handle_signals=False)
+                         handle_signals=False, handler_cancellation=True)
     admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, cfg.server_id),
                           access_log=None, handle_signals=False)
     try:

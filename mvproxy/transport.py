@@ -83,9 +83,14 @@ class Transport:
     def _session(self, upstream: Upstream) -> aiohttp.ClientSession:
         session = self._sessions.get(upstream)
         if session is None or session.closed:
+            # Peers get a fresh connection per request: on a pooled one, a frozen peer
+            # (SIGSTOP, paused VM) takes the request and never answers, holding it for
+            # the whole request timeout (a watch: forever). A new connection fails
+            # within connect_timeout instead (TLS handshake), so the request fails over
+            # or gets its 503 promptly. The backend keeps its pool.
+            reuse = {"force_close": True} if upstream.is_peer else {"keepalive_timeout": 30}
             connector = aiohttp.TCPConnector(ssl=upstream.ssl_context, limit=self._limit,
-                                             keepalive_timeout=30,
-                                             enable_cleanup_closed=_CLEANUP_CLOSED)
+                                             enable_cleanup_closed=_CLEANUP_CLOSED, **reuse)
             session = aiohttp.ClientSession(
                 base_url=upstream.url, connector=connector, auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,

@@ -1,0 +1,214 @@
+"""End to end, merged discovery (issue 4): real kubectl 1.36 and plain HTTPS clients
+against real ``mvproxy run`` processes in front of a 1.35 and a 1.36 simulated
+kube-apiserver (``mvproxy.devcluster.demo.start_cluster``, loopback, free ports).
+
+apiserver-0 runs 1.35, apiserver-1 runs 1.36. The module fixture starts everything
+and stops every process at teardown, whatever happens; a test that stops a process
+starts it again in ``finally``. Nothing here skips.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from e2e_support import (
+    AGGREGATED_V2,
+    AGGREGATED_V2BETA1,
+    KUBECTL_DISCOVERY_ACCEPT,
+    LEGACY_ACCEPT,
+    NOPEER_V2,
+    aggregated_group_versions,
+    group_versions,
+    metrics,
+    peer_reachable,
+    request,
+    resource_names,
+    wait_peer_unreachable,
+    wait_until,
+)
+from mvproxy.devcluster.catalog import load_catalog
+from mvproxy.devcluster.demo import DemoCluster, start_cluster
+
+OLD, NEW = "apiserver-0", "apiserver-1"
+CAT_135, CAT_136 = load_catalog("1.35"), load_catalog("1.36")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoCluster]:
+    with start_cluster(tmp_path_factory.mktemp("discovery-e2e"), ["1.35", "1.36"],
+                       base_port=0) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def k(cluster: DemoCluster, kubectl):
+    """kubectl on the cluster's kubeconfig: ``k(*args, context=OLD)``."""
+
+    def run(*args: str, context: str = OLD, check: bool = True):
+        return kubectl(*args, kubeconfig=cluster.kubeconfig, context=context, check=check)
+
+    return run
+
+
+def _api_resources(k, context: str = OLD) -> list[str]:
+    return k("api-resources", "-o", "name", context=context).stdout.split()
+
+
+def _merged(cluster: DemoCluster, accept: str = KUBECTL_DISCOVERY_ACCEPT, **kw):
+    return request(cluster, OLD, "GET", "/apis", headers={"Accept": accept}, **kw)
+
+
+# --------------------------------------------------------------------------- the union
+
+
+def test_kubectl_api_resources_through_the_old_server_is_the_union(k) -> None:
+    printed = _api_resources(k)
+    assert "podgroups.scheduling.k8s.io" in printed  # 1.36 only
+    assert "workloads.scheduling.k8s.io" in printed
+    assert len(printed) == len(set(printed)), "a resource is listed twice"
+    assert set(printed) == resource_names(CAT_135) | resource_names(CAT_136)
+
+    # The same kubectl straight at the 1.35 kube-apiserver sees no PodGroups.
+    direct = _api_resources(k, context=f"{OLD}-direct")
+    assert "podgroups.scheduling.k8s.io" not in direct
+    assert set(direct) == resource_names(CAT_135)
+
+
+def test_kubectl_shows_podgroups_with_their_version(k) -> None:
+    table = k("api-resources", "--api-group", "scheduling.k8s.io").stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in table[1:] if line.strip()}
+    assert "scheduling.k8s.io/v1alpha2" in rows["podgroups"]
+    assert "PodGroup" in rows["podgroups"]
+
+
+def test_merged_document_headers_etag_and_304(cluster: DemoCluster) -> None:
+    first = _merged(cluster)
+    assert first.status == 200, first
+    assert first.headers["Content-Type"] == AGGREGATED_V2
+    etag = first.headers["ETag"]
+    assert etag
+    doc = first.json()
+    assert (doc["kind"], doc["apiVersion"]) == ("APIGroupDiscoveryList", "apidiscovery.k8s.io/v2")
+    merged = aggregated_group_versions(doc)
+    assert merged[("scheduling.k8s.io", "v1alpha2")]["freshness"] == "Current"
+    union = group_versions(CAT_135) | group_versions(CAT_136)
+    assert set(merged) == {gv for gv in union if gv[0]}  # /apis has no core group
+
+    again = request(cluster, OLD, "GET", "/apis",
+                    headers={"Accept": KUBECTL_DISCOVERY_ACCEPT, "If-None-Match": etag})
+    assert again.status == 304, again
+    assert again.body == b""
+    assert again.headers["ETag"] == etag
+
+
+def test_v2beta1_accept_gets_the_merged_v2beta1_document(cluster: DemoCluster) -> None:
+    answer = _merged(cluster, AGGREGATED_V2BETA1)
+    assert answer.status == 200, answer
+    assert answer.headers["Content-Type"] == AGGREGATED_V2BETA1
+    doc = answer.json()
+    assert doc["apiVersion"] == "apidiscovery.k8s.io/v2beta1"
+    podgroups = aggregated_group_versions(doc)[("scheduling.k8s.io", "v1alpha2")]
+    assert "podgroups" in [r["resource"] for r in podgroups["resources"]]
+
+
+def test_nopeer_is_exactly_the_backends_own_view(cluster: DemoCluster) -> None:
+    answer = _merged(cluster, NOPEER_V2)
+    assert answer.status == 200, answer
+    own = request(cluster, OLD, "GET", "/apis", headers={"Accept": NOPEER_V2}, direct=True)
+    assert own.status == 200, own
+    assert answer.json() == own.json()
+    served = set(aggregated_group_versions(answer.json()))
+    assert served == {gv for gv in group_versions(CAT_135) if gv[0]}
+    assert ("scheduling.k8s.io", "v1alpha2") not in served
+
+
+def test_legacy_group_list_lists_the_peer_only_version(k) -> None:
+    doc = json.loads(k("get", "--raw", "/apis").stdout)
+    assert doc["kind"] == "APIGroupList"
+    scheduling = next(g for g in doc["groups"] if g["name"] == "scheduling.k8s.io")
+    versions = [v["version"] for v in scheduling["versions"]]
+    assert "v1alpha2" in versions and "v1alpha1" in versions and "v1" in versions
+    assert {g["name"] for g in doc["groups"]} == \
+        {g.name for g in CAT_135.groups + CAT_136.groups if g.name}
+
+
+@pytest.mark.parametrize("accept", [KUBECTL_DISCOVERY_ACCEPT, LEGACY_ACCEPT])
+def test_anonymous_gets_the_backends_401_not_discovery(cluster: DemoCluster,
+                                                        accept: str) -> None:
+    answer = request(cluster, OLD, "GET", "/apis", headers={"Accept": accept}, cert=None)
+    assert answer.status == 401, answer
+    doc = answer.json()
+    assert (doc["kind"], doc["reason"]) == ("Status", "Unauthorized")
+    assert b"podgroups" not in answer.body and b"scheduling" not in answer.body
+
+
+def test_unknown_token_gets_401_viewer_token_gets_discovery(cluster: DemoCluster) -> None:
+    denied = _merged(cluster, cert=None, token="not-a-known-token")
+    assert denied.status == 401, denied
+    viewer = _merged(cluster, cert=None, token=cluster.tokens["viewer-token"])
+    assert viewer.status == 200, viewer
+    assert ("scheduling.k8s.io", "v1alpha2") in aggregated_group_versions(viewer.json())
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_cache_hit_metric_grows_on_repeated_requests(cluster: DemoCluster) -> None:
+    name = "aggregator_discovery_peer_aggregated_cache_hits_total"
+    _merged(cluster)  # rendered (a miss at most once per cache generation)
+    before = metrics(cluster, OLD)[name]
+    for _ in range(3):
+        assert _merged(cluster).status == 200
+    after = metrics(cluster, OLD)[name]
+    # A generation change between requests (a peer's discovery changed) costs one miss.
+    assert after - before >= 2, (before, after)
+
+
+def test_peer_up_metric(cluster: DemoCluster) -> None:
+    assert metrics(cluster, OLD)[f'mvproxy_peer_up{{peer="{NEW}"}}'] == 1.0
+    assert metrics(cluster, NEW)[f'mvproxy_peer_up{{peer="{OLD}"}}'] == 1.0
+
+
+# --------------------------------------------------------------------------- stale
+
+
+def test_unreachable_peer_goes_stale_then_current_again(cluster: DemoCluster, k) -> None:
+    """Stop the 1.36 mvproxy: its versions stay listed, marked Stale (kubectl skips
+    them, garbage collection treats them as unknown, not gone); start it: Current."""
+    up = f'mvproxy_peer_up{{peer="{NEW}"}}'
+    nopeer = "aggregator_discovery_nopeer_requests_total"
+    cluster.stop_server(NEW)
+    try:
+        wait_peer_unreachable(cluster, OLD, NEW)
+        assert metrics(cluster, OLD)[up] == 0.0
+
+        answer = _merged(cluster)
+        assert answer.status == 200, answer
+        merged = aggregated_group_versions(answer.json())
+        assert merged[("scheduling.k8s.io", "v1alpha2")]["freshness"] == "Stale"
+        assert merged[("scheduling.k8s.io", "v1alpha1")]["freshness"] == "Current"
+        assert merged[("apps", "v1")]["freshness"] == "Current"
+
+        printed = _api_resources(k)
+        assert "podgroups.scheduling.k8s.io" not in printed
+        assert "workloads.scheduling.k8s.io" in printed  # 1.35 serves v1alpha1
+        assert "deployments.apps" in printed
+
+        # With the only peer down, nobody else can ask apiserver-0 for its own view:
+        # the nopeer counter moves by exactly the requests made here.
+        before = metrics(cluster, OLD)[nopeer]
+        for _ in range(2):
+            assert _merged(cluster, NOPEER_V2).status == 200
+        assert metrics(cluster, OLD)[nopeer] == before + 2
+    finally:
+        cluster.start_server(NEW)
+
+    assert peer_reachable(cluster, OLD, NEW) is True
+    assert metrics(cluster, OLD)[up] == 1.0
+    merged = aggregated_group_versions(_merged(cluster).json())
+    assert merged[("scheduling.k8s.io", "v1alpha2")]["freshness"] == "Current"
+    assert "podgroups.scheduling.k8s.io" in _api_resources(k)
+
