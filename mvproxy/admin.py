@@ -7,6 +7,7 @@ kube-apiserver's: ``ok``, or with ``?verbose`` one ``[+]check ok`` line per chec
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -29,13 +30,17 @@ def _health_response(request: web.Request, name: str, checks: list[Check]) -> we
                         content_type="text/plain")
 
 
-def readiness_checks(cache: DiscoveryCache) -> list[Check]:
-    """Ready once the backend and every peer have been polled at least once."""
+def readiness_checks(cache: DiscoveryCache, draining: asyncio.Event) -> list[Check]:
+    """Ready once the backend and every peer have been polled, while the backend
+    answers, and until shutdown begins (so load balancers drain us first)."""
     view = cache.view()
     unpolled = [s.server_id for s in (view.backend, *view.peers.values()) if not s.polled]
+    backend_ok = not view.backend.polled or view.backend.reachable
     return [("ping", True, ""),
             ("discovery-synced", view.synced,
-             "not yet polled: " + ", ".join(unpolled) if unpolled else "")]
+             "not yet polled: " + ", ".join(unpolled) if unpolled else ""),
+            ("backend-reachable", backend_ok, "discovery polls of the backend are failing"),
+            ("shutdown", not draining.is_set(), "shutting down")]
 
 
 def debug_state(cache: DiscoveryCache) -> dict:
@@ -54,7 +59,8 @@ def debug_state(cache: DiscoveryCache) -> dict:
             "peers": {peer_id: describe(state) for peer_id, state in view.peers.items()}}
 
 
-def build_admin_app(cache: DiscoveryCache, metrics: Metrics, server_id: str) -> web.Application:
+def build_admin_app(cache: DiscoveryCache, metrics: Metrics,
+                    draining: asyncio.Event) -> web.Application:
     async def metrics_handler(request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -64,7 +70,7 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics, server_id: str) -> 
         return _health_response(request, request.path.strip("/"), [("ping", True, "")])
 
     async def readyz(request: web.Request) -> web.Response:
-        return _health_response(request, "readyz", readiness_checks(cache))
+        return _health_response(request, "readyz", readiness_checks(cache, draining))
 
     async def debug(request: web.Request) -> web.Response:
         return web.Response(text=json.dumps(debug_state(cache), indent=2) + "\n",

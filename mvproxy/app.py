@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import signal
 import ssl
@@ -46,8 +47,12 @@ class Daemon:
     metrics: Metrics
     cache: DiscoveryCache
     transport: Transport
+    poll_transport: Transport
+    """Discovery polls get their own pools: a flood of watches must not starve them."""
     poller: Poller
     proxy: Proxy
+    draining: asyncio.Event
+    """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -86,20 +91,33 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
     metrics.watch_peers(lambda: _peer_states(cache))
-    poller = Poller(cache=cache, transport=transport, backend=backend, peers=peers,
+    metrics.watch_certificates(_certificates(cfg))
+    poll_transport = Transport(connect_timeout=cfg.timeouts.connect,
+                               request_timeout=cfg.timeouts.request)
+    poller = Poller(cache=cache, transport=poll_transport, backend=backend, peers=peers,
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
                     metrics=metrics)
+    retry_after = max(1, math.ceil(cfg.discovery.poll_interval))
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
-                                 max_bytes=cfg.discovery.max_document_bytes)
+                                 max_bytes=cfg.discovery.max_document_bytes,
+                                 retry_after=retry_after)
     identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
                                 peer_ca_file=cfg.peer.ca_file,
                                 peer_allowed_names=cfg.peer.allowed_names)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, identity=identity, metrics=metrics, discovery=discovery,
-                  rng=rng or random.Random())
-    return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poller, proxy)
+                  rng=rng or random.Random(), retry_after=retry_after)
+    return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
+                  poller, proxy, asyncio.Event())
+
+
+def _certificates(cfg: Config) -> dict[str, str]:
+    """Role -> certificate file mvproxy presents, for the expiry metric."""
+    roles = {"serving": cfg.tls_cert_file, "backend-client": cfg.backend.cert_file,
+             "peer-client": cfg.peer.cert_file}
+    return {role: path for role, path in roles.items() if path}
 
 
 def _peer_states(cache: DiscoveryCache):
@@ -123,14 +141,17 @@ async def running(daemon: Daemon):
     """Listeners and the poller up; yields (proxy port, admin port); stops everything."""
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
-    grace = cfg.timeouts.shutdown_grace_period
     # handler_cancellation: a downstream that goes away cancels its handler, which
     # closes the upstream request; otherwise a watch whose client left stays open
     # upstream (and on every peer hop) until the next event arrives to fail the write.
-    main = web.AppRunner(build_proxy_app(daemon), access_log=None, shutdown_timeout=grace,
-                         handle_signals=False, handler_cancellation=True)
-    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, cfg.server_id),
-                          access_log=None, handle_signals=False)
+    # The drain below does the graceful waiting; aiohttp's own shutdown only has to
+    # close what is left (its timeout applies twice, and 0 would mean "forever").
+    main = web.AppRunner(build_proxy_app(daemon), access_log=None,
+                         shutdown_timeout=_AIOHTTP_SHUTDOWN, handle_signals=False,
+                         handler_cancellation=True)
+    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining),
+                          access_log=None, handle_signals=False,
+                          shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:
         ports = (await _start(main, cfg.bind_address, cfg.secure_port, daemon.listener_ssl),
                  await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
@@ -138,13 +159,36 @@ async def running(daemon: Daemon):
                                      peers=len(cfg.peers)))
         yield ports
     finally:
-        log.info("shutting down; draining in-flight requests",
-                 extra=kv(grace_seconds=grace))
+        await _drain(daemon, main)
         await main.cleanup()
         await admin.cleanup()
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
         await daemon.transport.close()
+        await daemon.poll_transport.close()
+
+
+_AIOHTTP_SHUTDOWN = 0.5
+_DRAIN_CHECK = 0.05
+
+
+async def _drain(daemon: Daemon, main: web.AppRunner) -> None:
+    """Stop accepting, let in-flight requests finish within the grace period, then end
+    the rest (watches, exec sessions), so SIGTERM exits within shutdownGracePeriod."""
+    grace = daemon.config.timeouts.shutdown_grace_period
+    daemon.draining.set()
+    for site in list(main.sites):
+        await site.stop()
+    log.info("shutting down; draining in-flight requests",
+             extra=kv(in_flight=daemon.proxy.in_flight(), grace_seconds=grace))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while daemon.proxy.in_flight() and loop.time() < deadline:
+        await asyncio.sleep(min(_DRAIN_CHECK, max(0.0, deadline - loop.time())))
+    cancelled = daemon.proxy.cancel_in_flight()
+    if cancelled:
+        log.info("grace period over; ended the requests still open",
+                 extra=kv(ended=cancelled))
 
 
 async def _start(runner: web.AppRunner, host: str, port: int,

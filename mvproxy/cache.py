@@ -23,10 +23,6 @@ from types import MappingProxyType
 from mvproxy import discovery
 from mvproxy.discovery import Snapshot
 
-BACKEND = "backend"
-"""Name of the backend in logs and metrics; its server ID is the daemon's own."""
-
-
 @dataclass(frozen=True)
 class ServerState:
     """What is known about one server's discovery."""
@@ -85,9 +81,6 @@ class CacheView:
 
     def capable_group_peers(self, group: str) -> tuple[str, ...]:
         return self.capable_group.get(group, _EMPTY)
-
-    def local(self) -> Snapshot | None:
-        return self.backend.snapshot
 
     def merged(self) -> Snapshot | None:
         """The union of every known snapshot, unreachable servers' versions marked Stale."""

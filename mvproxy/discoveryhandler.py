@@ -27,16 +27,13 @@ from mvproxy.cache import CacheView, DiscoveryCache
 from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
 from mvproxy.identity import Downstream
-from mvproxy.kubestatus import status_response
+from mvproxy.kubestatus import status_response, upstream_failure
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER = "5"
-
 
 @dataclass
 class DiscoveryHandler:
@@ -46,6 +43,7 @@ class DiscoveryHandler:
     metrics: Metrics
     probe_timeout: float
     max_bytes: int
+    retry_after: int
     _probe_etags: dict[str, str] = field(default_factory=dict)
 
     async def handle(self, request: web.Request, downstream: Downstream,
@@ -59,7 +57,9 @@ class DiscoveryHandler:
             return status_response(406, "only aggregated (apidiscovery.k8s.io v2, v2beta1) "
                                         "and legacy JSON discovery are served here")
         view = self.cache.view()
-        if view.merged() is None:
+        if not view.synced or view.merged() is None:
+            # Until every server has been polled once, a merge would silently omit
+            # peer-only APIs; the backend's own answer is honest about what it knows.
             return await self._from_backend(request, downstream)
         denied = await self._authorize(request, downstream, info.path)
         if denied is not None:
@@ -86,7 +86,7 @@ class DiscoveryHandler:
                                             long_running=False)
         except ForwardError as exc:
             log.warning("backend discovery request failed", extra=kv(error=str(exc)[:300]))
-            return _backend_unavailable()
+            return upstream_failure(exc.cause, "the backend API server", self.retry_after)
 
     async def _authorize(self, request: web.Request, downstream: Downstream,
                          path: str) -> web.Response | None:
@@ -103,7 +103,7 @@ class DiscoveryHandler:
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
             log.warning("backend discovery probe failed", extra=kv(error=str(exc)[:300]))
-            return _backend_unavailable()
+            return upstream_failure(exc, "the backend API server", self.retry_after)
         if answer.status == 200 and answer.headers.get("ETag"):
             self._probe_etags[probe_path] = answer.headers["ETag"]
         if answer.status in (200, 304):
@@ -125,8 +125,3 @@ def _render(view: CacheView, negotiated: discovery.Negotiated, core: bool) -> by
     if core:
         return discovery.render_api_versions(groups)
     return discovery.render_api_group_list(groups)
-
-
-def _backend_unavailable() -> web.Response:
-    return status_response(503, "error trying to reach the backend API server",
-                           headers={"Retry-After": RETRY_AFTER})

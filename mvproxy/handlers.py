@@ -8,21 +8,22 @@ become Kubernetes ``Status`` responses here and only here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from mvproxy import forwarding, openapi, routing, tunnel
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
-from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
 from mvproxy.identity import Downstream, IdentityResolver, is_peer_proxied
-from mvproxy.kubestatus import status_response
+from mvproxy.kubestatus import status_response, upstream_failure
 from mvproxy.logs import V, kv
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 
 OPENAPI_INDEX_MAX_BYTES = 4 * 1024 * 1024
 """The index lists one short entry per group/version: megabytes would be garbage."""
-
-RETRY_AFTER_SECONDS = 5
-"""What a 503 tells clients to wait: about one discovery poll interval."""
-
 
 @dataclass
 class Proxy:
@@ -50,8 +47,28 @@ class Proxy:
     metrics: Metrics
     discovery: DiscoveryHandler
     rng: random.Random
+    retry_after: int
+    """Seconds a 503 asks clients to wait: about one discovery poll interval."""
+    _active: set[asyncio.Task] = field(default_factory=set)
+
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def cancel_in_flight(self) -> int:
+        """End every request still being served (shutdown after the grace period)."""
+        for task in self._active:
+            task.cancel()
+        return len(self._active)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        self._active.add(task)
+        try:
+            return await self._handle(request)
+        finally:
+            self._active.discard(task)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         downstream = self.identity.resolve(_client_certificate(request))
         info = parse_request_info(request.method, request.path, request.query_string)
         decision = routing.decide(info, self.cache.view(),
@@ -97,7 +114,7 @@ class Proxy:
                                             long_running=long_running)
         except ForwardError as exc:
             log.warning("backend request failed", extra=kv(error=str(exc)[:300]))
-            return _upstream_failure(exc, "the backend API server")
+            return upstream_failure(exc.cause, "the backend API server", self.retry_after)
 
     async def _to_peers(self, request: web.Request, downstream: Downstream, info: RequestInfo,
                         candidates: tuple[str, ...], long_running: bool) -> web.StreamResponse:
@@ -134,7 +151,7 @@ class Proxy:
             return self._unavailable(info, routing.Decision(routing.UNAVAILABLE, "", candidates))
         self.metrics.rerouted_requests.labels("503", *gvr).inc()
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        return _upstream_failure(last, "every capable peer")
+        return upstream_failure(last.cause, "every capable peer", self.retry_after)
 
     async def _openapi_index(self, request: web.Request,
                              downstream: Downstream) -> web.StreamResponse:
@@ -148,7 +165,7 @@ class Proxy:
                                                 max_bytes=OPENAPI_INDEX_MAX_BYTES)
         except UpstreamError as exc:
             log.warning("backend openapi index request failed", extra=kv(error=str(exc)[:300]))
-            return _upstream_failure(ForwardError(exc, retryable=False), "the backend API server")
+            return upstream_failure(exc, "the backend API server", self.retry_after)
         body = answer.body
         if answer.status == 200:
             body = openapi.merge_index(answer.body, self.cache.view()) or answer.body
@@ -162,7 +179,7 @@ class Proxy:
         return status_response(
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            headers={"Retry-After": str(self.retry_after)})
 
 
 def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
@@ -171,21 +188,6 @@ def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
         return info.api_group, info.api_version, info.resource
     group, version = routing.group_version_path(info) or ("", "")
     return group, version, ""
-
-
-_FAILURES = ((UpstreamConnectError, "cannot connect"), (UpstreamTimeout, "timed out"))
-
-
-def _upstream_failure(exc: ForwardError, who: str) -> web.Response:
-    """503 with Retry-After: the request could not be delivered, and may be retried.
-
-    The body names what failed in a few words; the details (addresses, TLS errors)
-    go to the log only.
-    """
-    what = next((text for kind, text in _FAILURES if isinstance(exc.cause, kind)),
-                "broken response")
-    return status_response(503, f"error trying to reach {who}: {what}",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _client_certificate(request: web.Request) -> bytes | None:

@@ -23,6 +23,7 @@ request it carries.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from cryptography import x509
 
 from mvproxy import pki
+
+log = logging.getLogger(__name__)
 
 PEER_PROXIED = "x-kubernetes-peer-proxied"
 REMOTE_USER = "X-Remote-User"
@@ -82,8 +85,15 @@ class IdentityResolver:
         return found
 
     def _classify(self, der: bytes) -> Downstream:
-        cert = x509.load_der_x509_certificate(der)
-        cn, orgs = pki.subject_identity(der)
+        try:
+            cert = x509.load_der_x509_certificate(der)
+            cn, orgs = pki.subject_identity(der)
+        except ValueError:
+            # OpenSSL verified it but cryptography cannot parse it: trust nothing it
+            # claims; its bearer token (if any) still reaches the backend unchanged.
+            log.warning("client certificate could not be parsed; treating the connection "
+                        "as anonymous")
+            return ANONYMOUS_DOWNSTREAM
         if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
         if cn and pki.issued_by_any(cert, self._client_cas):

@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+
 REASONS = {
     400: "BadRequest",
     401: "Unauthorized",
@@ -58,3 +60,22 @@ def json_response(code: int, body: dict[str, Any], headers: dict[str, str] | Non
     # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
     return web.Response(status=code, body=json.dumps(body).encode(),
                         headers={**(headers or {}), "Content-Type": "application/json"})
+
+
+def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> web.Response:
+    """The answer when an upstream gave none, chosen by whether retrying is safe.
+
+    - nothing was sent (connect failure): 503 ServiceUnavailable with Retry-After;
+    - sent, no answer in time: 504 Timeout, without Retry-After: client-go retries any
+      response that carries one, even a POST that may already have been applied;
+    - sent, answer unusable: 502, without Retry-After, for the same reason.
+
+    The message names what failed in a few words; addresses and TLS details belong in
+    the log, not in a body any client can read.
+    """
+    if isinstance(cause, UpstreamConnectError):
+        return status_response(503, f"error trying to reach {who}: cannot connect",
+                               headers={"Retry-After": str(retry_after)})
+    if isinstance(cause, UpstreamTimeout):
+        return status_response(504, f"{who} did not answer in time", reason="Timeout")
+    return status_response(502, f"{who} sent a broken response", reason="InternalError")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -81,6 +82,43 @@ class Metrics:
         disappears from the output instead of lingering as a stale label.
         """
         self.registry.register(_PeerCollector(peer_states))
+
+
+    def watch_certificates(self, files: dict[str, str]) -> None:
+        """Export ``mvproxy_certificate_expiry_timestamp_seconds{role}``.
+
+        Read at scrape time, so a certificate renewed on disk shows its new expiry
+        (and alerts fire before a peer or the backend starts refusing us).
+        """
+        self.registry.register(_CertificateCollector(files))
+
+
+class _CertificateCollector(Collector):
+    def __init__(self, files: dict[str, str]):
+        self._files = dict(files)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "mvproxy_certificate_expiry_timestamp_seconds",
+            "Unix time at which a certificate mvproxy presents expires, by role.",
+            labels=("role",))
+        for role, path in self._files.items():
+            expiry = _not_after(path)
+            if expiry is not None:
+                family.add_metric((role,), expiry)
+        yield family
+
+
+def _not_after(path: str) -> float | None:
+    try:
+        with open(path, "rb") as handle:
+            cert = x509.load_pem_x509_certificate(handle.read())
+    except (OSError, ValueError):
+        return None
+    return cert.not_valid_after_utc.timestamp()
 
 
 class _PeerCollector(Collector):

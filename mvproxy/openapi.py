@@ -19,9 +19,6 @@ import json
 
 from mvproxy.cache import CacheView
 
-INDEX_PATHS = frozenset(("/openapi/v3", "/openapi/v3/"))
-
-
 def _path_key(group: str, version: str) -> str:
     return f"api/{version}" if group == "" else f"apis/{group}/{version}"
 

@@ -20,6 +20,7 @@ from mvproxy import __version__, discovery
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discovery import DiscoveryFormatError, Snapshot
 from mvproxy.errors import UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from mvproxy.identity import PEER_PROXIED
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
 from mvproxy.transport import BodyTooLarge, Transport, Upstream
@@ -27,7 +28,6 @@ from mvproxy.transport import BodyTooLarge, Transport, Upstream
 log = logging.getLogger(__name__)
 
 PATHS = ("/api", "/apis")
-PEER_PROXIED = "x-kubernetes-peer-proxied"
 
 # Upstream's peer discovery fetches authenticate as this user (upstream-mvp.md §4.3).
 POLL_IDENTITY = {"X-Remote-User": "system:apiserver", "X-Remote-Group": "system:authenticated"}

@@ -71,10 +71,15 @@ class Transport:
     ``connect_timeout`` bounds TCP connect plus TLS handshake; ``request_timeout``
     bounds a whole short request. Long-running requests (watch, exec, logs -f) get
     only the connect timeout: they may legitimately stay open for hours.
+
+    No connection limit by default (``limit_per_upstream=0``): every open watch holds
+    one HTTP/1.1 connection, a control plane has thousands, and a capped pool would
+    turn the next request into a connect timeout. The backend enforces its own
+    limits (max-in-flight, APF).
     """
 
     def __init__(self, *, connect_timeout: float, request_timeout: float,
-                 limit_per_upstream: int = 256):
+                 limit_per_upstream: int = 0):
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self._limit = limit_per_upstream
@@ -177,8 +182,13 @@ def _mapped(upstream: Upstream):
         raise UpstreamTimeout(upstream.name, "timed out waiting for data") from exc
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamTimeout(upstream.name, "timed out") from exc
-    except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError,
-            aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+    except aiohttp.ClientResponseError as exc:
+        # Its text holds the request URL with its query (exec commands, selectors):
+        # keep only what identifies the failure.
+        raise UpstreamProtocolError(upstream.name, f"broken response: {type(exc).__name__} "
+                                                   f"(status {exc.status})") from exc
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError) as exc:
         raise UpstreamProtocolError(upstream.name, f"broken response: {exc}") from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamProtocolError(upstream.name, str(exc)) from exc
+        raise UpstreamProtocolError(upstream.name, type(exc).__name__) from exc

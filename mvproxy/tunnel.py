@@ -112,7 +112,14 @@ async def forward_upgrade(request: web.Request, upstream: Upstream, headers: CIM
         if answer.status != 101:
             await _close_upstream(writer)
             return _refusal(answer, body)
-        response, downstream = await _switch_downstream(request, answer)
+        try:
+            response, downstream = await _switch_downstream(request, answer)
+        except ConnectionResetError:
+            # The downstream left while the upstream was switching: nothing to tunnel.
+            log.log(V(4), "downstream left before the protocol switch",
+                    extra=kv(upstream=upstream.name))
+            await _close_upstream(writer)
+            return web.Response(status=499, reason="Client Closed Request")
     except BaseException:
         await _close_upstream(writer)
         raise

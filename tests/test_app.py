@@ -65,9 +65,22 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None) -> w
             "server": name, "path": request.raw_path, "cn": subject.get("commonName"),
             "headers": [[k, v] for k, v in request.headers.items()]})
 
+    async def slow_create(request: web.Request) -> web.Response:
+        await asyncio.sleep(WAIT)  # longer than any request timeout a test sets
+        return web.json_response({}, status=201)
+
+    async def endless_watch(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'{"type":"ADDED","object":{}}\n')
+        await asyncio.sleep(WAIT)  # a quiet resource: no further event
+        return response
+
     app = web.Application()
     app.router.add_get("/api", discovery)
     app.router.add_get("/apis", discovery)
+    app.router.add_post("/api/v1/namespaces/default/configmaps", slow_create)
+    app.router.add_get("/api/v1/configmaps", endless_watch)
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
 
@@ -116,7 +129,8 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(aiohttp_server, root: Path, **discovery: str):
+async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
+                  **discovery: str):
     gate = asyncio.Event()
     backend = await aiohttp_server(fake_server("backend", "1.35"), ssl=pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
@@ -145,6 +159,7 @@ async def cluster(aiohttp_server, root: Path, **discovery: str):
         "admin.bindAddress": "127.0.0.1", "admin.port": 0,
         "timeouts.connect": "5s", "timeouts.request": "30s",
         "timeouts.shutdownGracePeriod": "1s",
+        **{f"timeouts.{k}": v for k, v in (timeouts or {}).items()},
     }
     daemon = build_daemon(load_config(None, overrides=overrides))
     ca = root / "ca.crt"
@@ -293,3 +308,48 @@ async def test_metrics_expose_the_upstream_names(aiohttp_server, root):
             assert f"# TYPE {name.removesuffix('_total')}" in text or \
                 f"# TYPE {name}" in text, name
         assert "_created" not in text
+
+
+async def test_a_request_that_timed_out_upstream_is_504_without_retry_after(aiohttp_server, root):
+    """It may have been applied: Retry-After would make client-go send the POST again."""
+    async with cluster(aiohttp_server, root, timeouts={"request": "300ms"}) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        async with c.sessions["admin"].post(c.base + "/api/v1/namespaces/default/configmaps",
+                                            json={"kind": "ConfigMap"}) as resp:
+            body = await resp.json()
+            assert resp.status == 504 and "Retry-After" not in resp.headers
+        assert body["reason"] == "Timeout" and body["code"] == 504
+
+
+@pytest.mark.parametrize("grace", ["0s", "200ms"])
+async def test_shutdown_ends_open_watches_after_the_grace_period(aiohttp_server, root, grace):
+    """SIGTERM must finish within shutdownGracePeriod even while a watch stays open."""
+    watch_ended = asyncio.Event()
+
+    async def watch(c: Cluster, opened: asyncio.Event) -> None:
+        async with c.sessions["admin"].get(c.base + "/api/v1/configmaps?watch=true") as resp:
+            await resp.content.readline()
+            opened.set()
+            with contextlib.suppress(aiohttp.ClientError):
+                await resp.content.read()
+        watch_ended.set()
+
+    opened = asyncio.Event()
+    async with asyncio.timeout(WAIT):
+        async with cluster(aiohttp_server, root, timeouts={"shutdownGracePeriod": grace}) as c:
+            task = asyncio.create_task(watch(c, opened))
+            await opened.wait()
+            status, text = await c.admin_get("/readyz?verbose")
+            assert "[+]shutdown ok" in text
+        # running() has returned: the listener drained and the watch was ended.
+        await asyncio.wait_for(watch_ended.wait(), WAIT)
+        await task
+
+
+async def test_metrics_expose_certificate_expiry_by_role(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        expiry = await c.metric("mvproxy_certificate_expiry_timestamp_seconds", role="serving")
+        assert expiry is not None and expiry > 0
+        assert await c.metric("mvproxy_certificate_expiry_timestamp_seconds",
+                              role="peer-client") is not None

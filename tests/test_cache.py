@@ -100,7 +100,7 @@ def test_first_success_publishes_and_identical_repoll_keeps_the_generation(clock
     assert cache.generation == 0
     cache.record_success(SELF, v135)
     view = cache.view()
-    assert view.generation == 1 and view.local() is v135
+    assert view.generation == 1 and view.backend.snapshot is v135
     render_merged, calls = render(view)
     doc, was_cached = view.document(("aggregated", "v2"), render_merged)
     assert isinstance(doc, Document) and not was_cached and calls == [1]
@@ -129,7 +129,7 @@ def test_changed_snapshot_bumps_generation_and_rerenders(clock, v135, v136):
     doc, was_cached = new.document(("k",), lambda: b"new")
     assert not was_cached and doc.body == b"new"
     # The old view is unchanged: a request that read it stays consistent.
-    assert old.local() is v135 and old.document(("k",), lambda: b"x") == (old_doc, True)
+    assert old.backend.snapshot is v135 and old.document(("k",), lambda: b"x") == (old_doc, True)
 
 
 def test_merged_is_computed_once_per_generation(clock, v135, v136):
