@@ -27,7 +27,6 @@ from e2e_support import (
     request,
     resource_names,
     wait_peer_unreachable,
-    wait_until,
 )
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.demo import DemoCluster, start_cluster

@@ -13,12 +13,10 @@ import functools
 import glob
 import http.client
 import json
-import queue
 import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from mvproxy.devcluster.catalog import Catalog, load_catalog
 from mvproxy.devcluster.kubeconfig import write_kubeconfig
 from mvproxy.devcluster.launcher import SimProcess, free_port, write_token_file
 from mvproxy.pki import init_pki
+from e2e_support import LineReader
 
 READY_TIMEOUT = 30.0
 WAIT_TIMEOUT = 15.0  # for things that happen asynchronously (a watch event, an audit line)
@@ -275,39 +274,6 @@ def test_object_written_through_135_is_read_through_136(k, cluster) -> None:
     assert new["data"] == {"k": "v"}
 
 
-class _LineReader:
-    """Lines of a subprocess's stdout, read by a thread so waiting can be bounded."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
-        self._thread.start()
-
-    def _pump(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, predicate, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(f"output ended; printed so far: {self.seen!r}")
-            self.seen.append(line)
-            if predicate(line):
-                return line
-        raise AssertionError(f"not printed within {timeout:g}s; printed: {self.seen!r}")
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-
 def test_watch_prints_an_object_created_through_the_other_sim(k, kubectl, cluster) -> None:
     ns = _namespace(cluster, "watched")
     _configmap(cluster, ns, "before")
@@ -317,7 +283,7 @@ def test_watch_prints_an_object_created_through_the_other_sim(k, kubectl, cluste
                             stdin=subprocess.DEVNULL, env=kubectl.env)
     reader = None
     try:
-        reader = _LineReader(proc)
+        reader = LineReader(proc)
         reader.wait_for(lambda line: line.split()[:1] == ["before"], WAIT_TIMEOUT)
         k("create", "configmap", "after", "-n", ns, context="sim-135")
         reader.wait_for(lambda line: line.split()[:1] == ["after"], WAIT_TIMEOUT)
