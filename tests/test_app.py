@@ -44,7 +44,8 @@ def root(tmp_path_factory) -> Path:
     return directory
 
 
-def fake_server(name: str, version: str, gate: asyncio.Event | None = None) -> web.Application:
+def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
+                routes=None) -> web.Application:
     """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
 
     With ``gate``, /apis answers only once the gate is set (a first poll in progress).
@@ -81,6 +82,8 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None) -> w
     app.router.add_get("/apis", discovery)
     app.router.add_post("/api/v1/namespaces/default/configmaps", slow_create)
     app.router.add_get("/api/v1/configmaps", endless_watch)
+    if routes is not None:
+        routes(app)
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
 
@@ -130,9 +133,9 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
-                  **discovery: str):
+                  backend_routes=None, **discovery: str):
     gate = asyncio.Event()
-    backend = await aiohttp_server(fake_server("backend", "1.35"), ssl=pki.server_context(
+    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes), ssl=pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
         root / "front-proxy-ca.crt", require_client_cert=True))
     peer = await aiohttp_server(fake_server("peer", "1.36", gate), ssl=pki.server_context(
