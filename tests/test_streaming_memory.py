@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import resource
 
-import aiohttp
 from aiohttp import web
 
 from test_app import cluster, root, synced  # noqa: F401 - root is a fixture
