@@ -105,13 +105,7 @@ class Proxy:
                           long_running: bool) -> web.StreamResponse:
         headers = forwarding.request_headers(request, downstream, to_peer=False)
         try:
-            if tunnel.is_upgrade(request):
-                return await tunnel.forward_upgrade(
-                    request, self.backend, headers,
-                    connect_timeout=self.transport.connect_timeout,
-                    response_timeout=self.transport.request_timeout)
-            return await forwarding.forward(request, self.transport, self.backend, headers,
-                                            long_running=long_running)
+            return await self._deliver(request, self.backend, headers, long_running)
         except ForwardError as exc:
             log.warning("backend request failed", extra=kv(error=str(exc)[:300]))
             return upstream_failure(exc.cause, "the backend API server", self.retry_after)
@@ -122,22 +116,16 @@ class Proxy:
         upstreams = self.peers()
         gvr = _gvr_labels(info)
         last: ForwardError | None = None
+        # One Audit-ID for every attempt: the peers' audit logs show one request.
+        headers = forwarding.request_headers(request, downstream, to_peer=True)
         for index, peer_id in enumerate(candidates):
             upstream = upstreams.get(peer_id)
             if upstream is None:
                 continue
             if index and last is not None:
                 self.metrics.peer_failovers.inc()
-            headers = forwarding.request_headers(request, downstream, to_peer=True)
             try:
-                if tunnel.is_upgrade(request):
-                    response = await tunnel.forward_upgrade(
-                        request, upstream, headers,
-                        connect_timeout=self.transport.connect_timeout,
-                        response_timeout=self.transport.request_timeout)
-                else:
-                    response = await forwarding.forward(request, self.transport, upstream,
-                                                        headers, long_running=long_running)
+                response = await self._deliver(request, upstream, headers, long_running)
             except ForwardError as exc:
                 last = exc
                 log.warning("peer request failed", extra=kv(peer=peer_id, error=str(exc)[:300],
@@ -152,6 +140,16 @@ class Proxy:
         self.metrics.rerouted_requests.labels("503", *gvr).inc()
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
         return upstream_failure(last.cause, "every capable peer", self.retry_after)
+
+    async def _deliver(self, request: web.Request, upstream: Upstream, headers,
+                       long_running: bool) -> web.StreamResponse:
+        """Tunnel an upgrade or stream a plain request; ForwardError if nothing arrived."""
+        if tunnel.is_upgrade(request):
+            return await tunnel.forward_upgrade(
+                request, upstream, headers, connect_timeout=self.transport.connect_timeout,
+                response_timeout=self.transport.request_timeout)
+        return await forwarding.forward(request, self.transport, upstream, headers,
+                                        long_running=long_running)
 
     async def _openapi_index(self, request: web.Request,
                              downstream: Downstream) -> web.StreamResponse:
