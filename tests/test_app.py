@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import json
 from pathlib import Path
 
@@ -133,14 +134,16 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
-                  backend_routes=None, **discovery: str):
+                  backend_routes=None, extra_peers: int = 0, **discovery: str):
     gate = asyncio.Event()
     backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes), ssl=pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
         root / "front-proxy-ca.crt", require_client_cert=True))
-    peer = await aiohttp_server(fake_server("peer", "1.36", gate), ssl=pki.server_context(
-        root / "b" / "peer.crt", root / "b" / "peer.key", root / "ca.crt",
-        require_client_cert=True))
+    peer_ssl = pki.server_context(root / "b" / "peer.crt", root / "b" / "peer.key",
+                                  root / "ca.crt", require_client_cert=True)
+    peer = await aiohttp_server(fake_server("peer", "1.36", gate), ssl=peer_ssl)
+    others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36"), ssl=peer_ssl)
+              for i in range(extra_peers)]
     overrides = {
         "serverID": SELF, "bindAddress": "127.0.0.1", "securePort": free_port(),
         "tlsCertFile": str(root / "a" / "mvproxy.crt"),
@@ -153,7 +156,9 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
         "peer.caFile": str(root / "ca.crt"),
         "peer.certFile": str(root / "a" / "peer.crt"),
         "peer.keyFile": str(root / "a" / "peer.key"),
-        "peers.static": [{"serverID": PEER_ID, "url": f"https://127.0.0.1:{peer.port}"}],
+        "peers.static": [{"serverID": PEER_ID, "url": f"https://127.0.0.1:{peer.port}"}] + [
+            {"serverID": f"{PEER_ID}-{i}", "url": f"https://127.0.0.1:{other.port}"}
+            for i, other in enumerate(others)],
         "discovery.pollInterval": "100ms",
         # Long enough that the gated first poll of the peer is still running when
         # /readyz is asked; set explicitly because the default is min(5s, interval).
@@ -164,7 +169,8 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
         "timeouts.shutdownGracePeriod": "1s",
         **{f"timeouts.{k}": v for k, v in (timeouts or {}).items()},
     }
-    daemon = build_daemon(load_config(None, overrides=overrides))
+    # A seeded shuffle: which capable peer is tried first is the same on every run.
+    daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))
     ca = root / "ca.crt"
     sessions = {
         "admin": aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(
@@ -356,3 +362,23 @@ async def test_metrics_expose_certificate_expiry_by_role(aiohttp_server, root):
         assert expiry is not None and expiry > 0
         assert await c.metric("mvproxy_certificate_expiry_timestamp_seconds",
                               role="peer-client") is not None
+
+
+async def test_a_peer_that_refuses_connections_fails_over_to_the_next(aiohttp_server, root):
+    """Two capable peers, one stopped before the cache notices: every request still
+    succeeds, through the other one, and each detour is counted."""
+    async with cluster(aiohttp_server, root, extra_peers=1, staleAfter="1h",
+                       forgetAfter="2h") as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        await c.peer_server.close()
+        served_by = set()
+        for _ in range(12):  # shuffled per request (seeded): the dead one is first
+            status, _, body = await c.get(PODGROUPS)  # in some of them
+            assert status == 200
+            served_by.add(json.loads(body)["server"])
+        assert served_by == {"peer-0"}
+        failovers = await c.metric("mvproxy_peer_failovers_total")
+        assert failovers is not None and failovers >= 1
+        assert await c.metric("apiserver_rerouted_request_total", code="200",
+                              **PODGROUPS_GVR) == 12
