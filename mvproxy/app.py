@@ -133,7 +133,13 @@ def build_proxy_app(daemon: Daemon) -> web.Application:
     # 0 disables it (kube-apiserver enforces its own limits).
     app = web.Application(client_max_size=0)
     app.router.add_route("*", "/{tail:.*}", daemon.proxy.handle)
+    app.on_response_prepare.append(_no_server_banner)
     return app
+
+
+async def _no_server_banner(request: web.Request, response: web.StreamResponse) -> None:
+    """kube-apiserver sends no Server header; mvproxy does not advertise its stack either."""
+    response.headers.popall("Server", None)
 
 
 @contextlib.asynccontextmanager

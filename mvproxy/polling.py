@@ -203,8 +203,10 @@ class Poller:
         if kind != state.failure:
             state.failure = kind
             self.metrics.discovery_sync_errors.labels(kind).inc()
-            log.warning("discovery poll failed; keeping the last good snapshot",
-                        extra=kv(server=server_id, type=kind, error=str(exc)[:300]))
+            known = self.cache.state(server_id)
+            log.warning("discovery poll failed", extra=kv(
+                server=server_id, type=kind, error=str(exc)[:300],
+                keeping_last_snapshot=bool(known and known.snapshot is not None)))
         if was_reachable and not self._reachable(server_id):
             log.warning("server became unreachable; its versions are now served as Stale",
                         extra=kv(server=server_id))

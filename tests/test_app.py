@@ -328,6 +328,7 @@ async def test_a_request_that_timed_out_upstream_is_504_without_retry_after(aioh
                                             json={"kind": "ConfigMap"}) as resp:
             body = await resp.json()
             assert resp.status == 504 and "Retry-After" not in resp.headers
+            assert "Server" not in resp.headers  # no stack banner
         assert body["reason"] == "Timeout" and body["code"] == 504
 
 

@@ -220,7 +220,7 @@ def messages(caplog: pytest.LogCaptureFixture, text: str) -> int:
     return sum(1 for r in caplog.records if r.name == "mvproxy.polling" and r.getMessage() == text)
 
 
-FAILED = "discovery poll failed; keeping the last good snapshot"
+FAILED = "discovery poll failed"
 RECOVERED = "discovery poll recovered"
 UNREACHABLE = "server became unreachable; its versions are now served as Stale"
 
