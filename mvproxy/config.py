@@ -140,12 +140,14 @@ def _string(value: object, path: str, ctx: _Context) -> str:
     return value
 
 
-_SERVER_ID = re.compile(r"[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?")
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+SERVER_ID_RE = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
+"""A server ID: a DNS subdomain name (it becomes a directory name and a certificate SAN)."""
 
 
 def _server_id(value: object, path: str, ctx: _Context) -> str:
     text = _string(value, path, ctx)
-    if len(text) > 253 or not _SERVER_ID.fullmatch(text):
+    if len(text) > 253 or not SERVER_ID_RE.fullmatch(text):
         raise _Invalid(
             "must be a lowercase DNS name (a-z, 0-9, '-', '.'; starts and ends alphanumeric;"
             f" at most 253 characters), got {text!r}"
@@ -382,9 +384,11 @@ class DiscoveryConfig:
     """Seconds without a successful poll before a peer's group/versions are served with
     ``freshness: Stale`` (default 3 × poll_interval: one lost poll is not an outage).
     Must be >= poll_interval."""
-    forget_after: float = _key("forgetAfter", _duration(), default=600.0)
-    """Seconds without a successful poll before a peer's snapshot is dropped (10m). Long,
-    so a restarting peer does not make its resources look deleted. Must be >= stale_after."""
+    forget_after: float = _key("forgetAfter", _duration(), default=600.0,
+                               derive=("stale_after", lambda stale: max(600.0, stale)))
+    """Seconds without a successful poll before a peer's snapshot is dropped (default
+    max(10m, stale_after)). Long, so a restarting peer does not make its resources look
+    deleted. Must be >= stale_after."""
     timeout: float = _key("timeout", _duration(), default=5.0, derive=("poll_interval", lambda poll: min(5.0, poll)))
     """Seconds one poll may take (default min(5s, poll_interval)), so a hung peer cannot
     delay the next round."""
@@ -410,8 +414,8 @@ class LoggingConfig:
     format: str = _key("format", _choice("text", "json"), default="text")
     """``text`` for people, ``json`` for log collectors (text)."""
     verbosity: int = _key("verbosity", _integer(0, 10), default=2)
-    """klog-style level 0..10 (2): 0-1 warnings and errors, 2 lifecycle (INFO),
-    4+ per-request decisions (DEBUG)."""
+    """klog-style level 0..10 (2): 0-2 lifecycle facts, warnings and errors, 4+ per-request
+    decisions, 6+ library debug output."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 _KV_ATTR = "mvproxy_kv"
 _LEVEL_LETTERS = {logging.CRITICAL: "F", logging.ERROR: "E", logging.WARNING: "W"}
 _SECRET_KEYS = frozenset({"authorization", "token", "password", "bearer", "cookie"})
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s,;\"']+")
+_BEARER = re.compile(r"(?i)\b((?:bearer|basic)\s+)[^\s,;\"']+")
 _PEM_KEY = re.compile(
     r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(-----END [A-Z ]*PRIVATE KEY-----|\Z)", re.S
 )
@@ -46,16 +46,21 @@ def redact(text: str) -> str:
     return _PEM_KEY.sub(REDACTED, _BEARER.sub(r"\1" + REDACTED, text))
 
 
+def _is_secret_key(key: str) -> bool:
+    lowered = key.lower()
+    return any(word in lowered for word in _SECRET_KEYS)
+
+
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
     fields = getattr(record, _KV_ATTR, None) or {}
-    clean = {}
+    clean: dict[str, Any] = {}
     for key, value in fields.items():
-        if key.lower() in _SECRET_KEYS:
+        if _is_secret_key(key):
             clean[key] = REDACTED
-        elif isinstance(value, str):
-            clean[key] = redact(value)
-        else:
+        elif isinstance(value, (bool, int, float)) or value is None:
             clean[key] = value
+        else:  # strings, and anything else rendered as text (a dict of headers, say)
+            clean[key] = redact(str(value))
     return clean
 
 

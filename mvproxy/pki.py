@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from mvproxy.config import SERVER_ID_RE
 from mvproxy.errors import PKIError, Problem
 
 __all__ = [
@@ -85,8 +86,6 @@ TOP_LEVEL_FILES = (
 #: whether the directory is "empty" (the repository ships ``certs/README.md``).
 PRESERVED_FILES = ("README.md",)
 
-_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
-_SERVER_ID_RE = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*$")
 _HOST_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
 _HOST_RE = re.compile(rf"^(?:\*\.)?{_HOST_LABEL}(?:\.{_HOST_LABEL})*$")
 
@@ -107,7 +106,7 @@ def _validate_server_ids(server_ids: Sequence[str]) -> list[str]:
     for server_id in ids:
         if not isinstance(server_id, str) or not server_id:
             raise PKIError(f"invalid server ID {server_id!r}: must be a non-empty name")
-        if len(server_id) > 253 or not _SERVER_ID_RE.match(server_id):
+        if len(server_id) > 253 or not SERVER_ID_RE.fullmatch(server_id):
             raise PKIError(
                 f"invalid server ID {server_id!r}: use lowercase letters, digits, '-' and '.'"
                 " (a DNS subdomain name, e.g. apiserver-a); no '/', '..' or spaces"
@@ -326,6 +325,33 @@ def _generate_layout(
     return [str(p.relative_to(root)) for p in written]
 
 
+_TOP_LEVEL_STEMS = ("ca", "front-proxy-ca", "admin")
+_SERVER_STEMS = ("apiserver", "mvproxy", "peer", "front-proxy-client")
+
+
+def _pair_names(stems: Sequence[str]) -> frozenset[str]:
+    return frozenset(f"{stem}.{ext}" for stem in stems for ext in ("crt", "key"))
+
+
+def _foreign_content(directory: Path) -> list[str]:
+    """Entries ``--force`` must not delete: anything ``init_pki`` would not have written.
+
+    A server-ID directory counts as ours only if it holds nothing but our pairs, so a
+    mistyped DIR (a project folder, a home directory) is never wiped.
+    """
+    ours, per_server = _pair_names(_TOP_LEVEL_STEMS), _pair_names(_SERVER_STEMS)
+    foreign = []
+    for entry in directory.iterdir():
+        if entry.name in PRESERVED_FILES or entry.name.startswith(".") or entry.name in ours:
+            continue
+        children = [c.name for c in entry.iterdir()] if entry.is_dir() and \
+            not entry.is_symlink() else []
+        if children and all(name in per_server for name in children):
+            continue
+        foreign.append(entry.name)
+    return sorted(foreign)
+
+
 def _existing_content(directory: Path) -> list[str]:
     """Entries init_pki would overwrite; README.md and dotfiles don't count."""
     return sorted(
@@ -374,6 +400,12 @@ def init_pki(
 
     if directory.exists() and not directory.is_dir():
         raise PKIError(f"{directory} exists and is not a directory")
+    if directory.is_dir() and force:
+        foreign = _foreign_content(directory)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise PKIError(f"{directory} holds files that mvproxy certs init did not write "
+                           f"({shown}); refusing to replace it even with --force")
     if directory.is_dir() and not force:
         existing = _existing_content(directory)
         if existing:

@@ -51,11 +51,17 @@ def main(argv: list[str]) -> int:
     ensure_env()
     command, rest = argv[0], argv[1:]
     if command == "demo":
+        # The demo runs where the user is (a relative --dir means what they expect).
         cmd = [str(_bin("mvproxy")), "demo", *rest]
     else:
+        os.chdir(ROOT)
         cmd = [str(_bin("python")), "-m", "pytest", *rest]
-    os.chdir(ROOT)
-    return subprocess.call(cmd)
+    sys.stdout.flush()
+    # Replace this process: Ctrl-C and SIGTERM then reach mvproxy (or pytest) directly,
+    # which stops what it started; a wrapper in between could be killed first and
+    # leave the demo's servers running.
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
 
 
 if __name__ == "__main__":

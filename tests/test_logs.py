@@ -71,3 +71,14 @@ def test_bearer_tokens_and_private_keys_never_reach_the_log(capture, fmt):
     assert secret not in text
     assert "MIGHAgEAMBMGByqGSM49" not in text
     assert logs.REDACTED in text
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_secrets_inside_structured_values_and_secret_named_keys_are_masked(capture, fmt):
+    out = capture(fmt)
+    logging.getLogger("mvproxy.x").info("request", extra=logs.kv(
+        headers={"Authorization": "Bearer s3cr3t-value"}, peer_token="t0k3n-value",
+        basic="Basic dXNlcjpwYXNzd29yZA=="))
+    text = out.getvalue()
+    for secret in ("s3cr3t-value", "t0k3n-value", "dXNlcjpwYXNzd29yZA=="):
+        assert secret not in text

@@ -65,3 +65,18 @@ def test_wheel_installs_and_runs_in_a_clean_virtual_environment(tmp_path):
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
                            text=True, check=True, timeout=60)
     assert str(env_dir) in where.stdout
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_release_catalogs():
+    """`mvproxy sim` and the demo read them at run time; users have no ../shared."""
+    import zipfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", tmp, str(ROOT))
+        (wheel,) = Path(tmp).glob("mvproxy-*.whl")
+        names = set(zipfile.ZipFile(wheel).namelist())
+    from mvproxy.devcluster.catalog import available_versions
+    for version in available_versions():
+        assert f"mvproxy/devcluster/catalogs/{version}.json" in names

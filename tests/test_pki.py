@@ -525,3 +525,13 @@ def test_subject_identity_of_front_proxy_client(pki_dir: Path) -> None:
     )
     with pytest.raises(PKIError):
         subject_identity(b"junk")
+
+
+def test_force_never_deletes_files_it_did_not_write(tmp_path):
+    """A mistyped DIR must not be wiped: --force replaces only a PKI."""
+    target = tmp_path / "project"
+    (target / "src").mkdir(parents=True)
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(PKIError, match="notes.txt, src"):
+        init_pki(target, ["apiserver-a"], force=True)
+    assert (target / "notes.txt").read_text() == "keep me" and (target / "src").is_dir()

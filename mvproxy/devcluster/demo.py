@@ -637,7 +637,7 @@ def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``mvproxy demo``: start, print the guide, run until SIGINT/SIGTERM, stop, exit 0."""
+    """``mvproxy demo``: start, print the guide, run until SIGINT/SIGTERM/SIGHUP, stop, exit 0."""
     versions = parse_versions(args.versions)
     directory = Path(args.dir)
     stop = threading.Event()
@@ -645,9 +645,12 @@ def run_demo(args: argparse.Namespace) -> int:
     def interrupt_startup(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGTERM and SIGHUP (terminal closed) too: the children run in their own sessions,
+    # so nobody else would stop them.
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in stopping}
     for sig in previous:
-        signal.signal(sig, interrupt_startup)  # SIGTERM too: clean up what was started
+        signal.signal(sig, interrupt_startup)
     try:
         print(f"mvproxy demo: starting {_count(len(versions), 'kube-apiserver')} "
               f"and {_count(len(versions), 'mvproxy')} in {directory.absolute()} ...",
