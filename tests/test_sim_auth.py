@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from mvproxy.devcluster.simauth import (
     auth_middleware,
     load_token_file,
 )
-from mvproxy.errors import ConfigError
+from mvproxy.errors import ConfigError, UsageError
 from mvproxy.pki import client_context, init_pki, server_context
 from mvproxy.requestinfo import parse_request_info
 
@@ -379,3 +381,40 @@ def test_missing_ca_file_is_a_clear_error(tmp_path: Path, pki: Path) -> None:
 
     with pytest.raises(PKIError, match="missing.crt"):
         Authenticator.from_files(tmp_path / "missing.crt", pki / "front-proxy-ca.crt")
+
+
+# --------------------------------------------------------------------------- audit log path
+
+
+def test_unwritable_audit_log_is_a_clear_startup_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    path = blocker / "audit.log"
+    with pytest.raises(UsageError) as err:
+        AuditLog(path)
+    assert str(err.value).startswith(f"cannot open audit log {path}:")
+    assert err.value.exit_code == 2
+
+
+def test_audit_log_is_opened_at_startup(tmp_path: Path) -> None:
+    path = tmp_path / "audit.log"
+    audit = AuditLog(path)
+    try:
+        assert path.exists()  # before any request
+        audit.write({"a": 1})
+        assert json.loads(path.read_text()) == {"a": 1}
+    finally:
+        audit.close()
+
+
+def test_sim_with_unwritable_audit_log_exits_2_with_one_message(
+        tmp_path: Path, pki: Path) -> None:
+    path = tmp_path / "missing-dir" / "audit.log"
+    done = subprocess.run(
+        [sys.executable, "-m", "mvproxy", "sim", "--server-id", SERVER_ID, "--pki", str(pki),
+         "--secure-port", "1", "--store", str(tmp_path / "s.db"),
+         "--audit-log-path", str(path)],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        f"mvproxy: error: cannot open audit log {path}: No such file or directory"]

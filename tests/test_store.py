@@ -272,6 +272,32 @@ def test_label_selector_empty_value_and_missing_labels():
     assert not parse_label_selector("a")({})
 
 
+def test_selectors_treat_badly_typed_metadata_as_absent():
+    """An object stored with bad labels must not break selectors for everyone else."""
+    for bad in ({"metadata": {"labels": "oops"}}, {"metadata": {"labels": ["a"]}},
+                {"metadata": "x"}):
+        assert not parse_label_selector("app=z")(bad)
+        assert parse_label_selector("!app")(bad)
+        assert parse_label_selector("app!=z")(bad)
+        assert not parse_field_selector("metadata.name=x")(bad)
+
+
+def test_list_and_watch_survive_a_stored_bad_labels_value(store):
+    store.create(cm("d", "bad"), {"metadata": {"labels": "oops"}})
+    store.create(cm("d", "good"), obj({"app": "z"}))
+    start = store.current_resource_version()
+    assert [o["metadata"]["name"] for o in store.list(*CM, None, label_selector="app=z")[0]] \
+        == ["good"]
+
+    async def go():
+        agen = store.watch(*CM, None, start, label_selector="app=z", poll_interval=0.01)
+        store.update(cm("d", "bad"), obj({"app": "z"}))  # prev has the bad labels
+        return await collect(agen, 1)
+
+    assert [(e.type, e.object["metadata"]["name"]) for e in asyncio.run(go())] == [
+        ("ADDED", "bad")]
+
+
 def test_field_selector():
     o = {"metadata": {"name": "x", "namespace": "d"}}
     assert parse_field_selector("metadata.name=x")(o)
@@ -315,6 +341,29 @@ def test_delete_collection(store):
     assert [e.type for e in store.events_since(*CM, None, before)] == ["DELETED", "DELETED"]
     assert len(store.delete_collection(*CM, None)) == 2
     assert store.list(*CM, None)[0] == []
+
+
+def test_delete_namespace_contents_removes_every_resource_in_one_namespace(store):
+    store.create(cm("d", "a"), obj())
+    store.create(Key("scheduling.k8s.io", "podgroups", "d", "pg"), obj())  # any resource
+    store.create(Key("apps", "deployments", "d", "web"), obj())
+    store.create(cm("e", "a"), obj())
+    store.create(Key("", "namespaces", "", "d"), obj())  # cluster-scoped: kept
+    before = store.current_resource_version()
+    deleted = store.delete_namespace_contents("d")
+    assert sorted(o["metadata"]["name"] for o in deleted) == ["a", "pg", "web"]
+    assert sorted(int(o["metadata"]["resourceVersion"]) for o in deleted) == [
+        before + 1, before + 2, before + 3]
+    assert store.list("scheduling.k8s.io", "podgroups", "d")[0] == []
+    assert store.list("apps", "deployments", None)[0] == []
+    assert [o["metadata"]["namespace"] for o in store.list(*CM, None)[0]] == ["e"]
+    assert store.get(Key("", "namespaces", "", "d"))
+    # Watchers of any resource (also on other servers) see the deletions.
+    events = store.events_since("scheduling.k8s.io", "podgroups", "d", before)
+    assert [(e.type, e.object["metadata"]["name"]) for e in events] == [("DELETED", "pg")]
+    assert store.delete_namespace_contents("d") == []
+    with pytest.raises(ValueError):
+        store.delete_namespace_contents("")
 
 
 # -- resourceVersion and events ---------------------------------------------
@@ -414,6 +463,44 @@ def test_watch_cursor_advances_past_other_resources(tmp_path):
 
         evs = asyncio.run(go())
         assert [(e.type, e.object["metadata"]["name"]) for e in evs] == [("ADDED", "a")]
+
+
+def test_watch_progress_reports_the_cursor_after_events_are_taken(store):
+    """``progress`` moves past events the selector drops, never past one not yet taken."""
+    start = store.current_resource_version()
+    taken: list[int] = []
+    reports: list[tuple[int, list[int]]] = []  # (cursor, events taken by then)
+
+    async def until(condition):
+        async with asyncio.timeout(5):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async def go():
+        agen = store.watch(*CM, None, start, label_selector="app=web", poll_interval=0.01,
+                           progress=lambda rv: reports.append((rv, list(taken))))
+
+        async def consume():
+            async for event in agen:
+                taken.append(event.resource_version)
+
+        task = asyncio.ensure_future(consume())
+        try:
+            unmatched = int(store.create(cm("d", "other"), obj({"app": "db"}))
+                            ["metadata"]["resourceVersion"])
+            await until(lambda: reports and reports[-1][0] >= unmatched)
+            assert taken == []  # nothing delivered, yet the cursor moved past it
+            wanted = int(store.create(cm("d", "w"), obj({"app": "web"}))
+                         ["metadata"]["resourceVersion"])
+            await until(lambda: reports[-1][0] >= wanted)
+            assert taken == [wanted]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for cursor, seen in reports:
+            assert wanted > cursor or wanted in seen
+
+    asyncio.run(go())
 
 
 # -- several processes --------------------------------------------------------

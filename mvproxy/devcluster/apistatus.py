@@ -12,12 +12,6 @@ from aiohttp import web
 
 from mvproxy.kubestatus import REASONS, json_response, status_body, status_response  # noqa: F401 - re-exported
 
-def not_found(group: str, resource: str, name: str) -> web.Response:
-    """kube's wording: ``pods "x" not found`` (``deployments.apps "x" not found``)."""
-    qualified = f"{resource}.{group}" if group else resource
-    return status_response(404, f'{qualified} "{name}" not found',
-                           details={"name": name, "group": group, "kind": resource})
-
 
 # --- kube-apiserver's common failures, worded as apimachinery's ``errors`` package does ---
 

@@ -32,11 +32,11 @@ from urllib.parse import unquote
 
 from aiohttp import web
 from cryptography import x509
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from mvproxy.devcluster.apistatus import status_response
-from mvproxy.errors import ConfigError, Problem
-from mvproxy.pki import issued_by_any, load_ca_bundle
+from mvproxy.errors import ConfigError, Problem, UsageError
+from mvproxy.pki import issued_by_any, load_ca_bundle, subject_identity
 from mvproxy.requestinfo import RequestInfo, parse_request_info
 
 __all__ = [
@@ -148,9 +148,9 @@ def load_token_file(path: StrPath) -> dict[str, UserInfo]:
 # --------------------------------------------------------------------------- authentication
 
 
-def _common_name(cert: x509.Certificate) -> str:
-    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    return str(names[0].value) if names else ""
+def _identity(cert: x509.Certificate) -> tuple[str, tuple[str, ...]]:
+    """(CN, organisations): the user name and groups a certificate asserts."""
+    return subject_identity(cert.public_bytes(Encoding.DER))
 
 
 def _peer_certificate(request: web.Request) -> x509.Certificate | None:
@@ -225,7 +225,7 @@ class Authenticator:
         if not issued_by_any(cert, self.front_proxy_cas):
             return REJECTED
         allowed = self.requestheader_allowed_names
-        if allowed and _common_name(cert) not in allowed:
+        if allowed and _identity(cert)[0] not in allowed:
             return REJECTED
         name = request.headers.get("X-Remote-User", "")
         if not name:
@@ -239,11 +239,10 @@ class Authenticator:
             return None
         if not issued_by_any(cert, self.cluster_cas):
             return REJECTED
-        cn = _common_name(cert)
+        cn, orgs = _identity(cert)
         if not cn:
             return None
-        orgs = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
-        return UserInfo(cn, groups=tuple(str(o.value) for o in orgs))
+        return UserInfo(cn, groups=orgs)
 
     def _bearer_token(self, request: web.Request, cert: x509.Certificate | None) -> _Result:
         parts = request.headers.get("Authorization", "").split(" ", 2)
@@ -419,18 +418,30 @@ def build_event(request: web.Request, rec: AuditRecord) -> dict[str, Any]:
 class AuditLog:
     """Append-only JSON lines, flushed per event; ``None`` path discards events.
 
-    One writer per file (each simulated server has its own log).
+    One writer per file (each simulated server has its own log). The file is opened
+    here, at startup, so an unwritable path is one clear error (UsageError, exit 2)
+    rather than a 500 on every request.
     """
 
     def __init__(self, path: StrPath | None) -> None:
         self.path = Path(path) if path is not None else None
         self._file: IO[str] | None = None
+        if self.path is not None:
+            self._file = self._open(self.path)
+
+    @staticmethod
+    def _open(path: Path) -> IO[str]:
+        try:
+            return path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(
+                f"cannot open audit log {path}: {exc.strerror or exc}") from None
 
     def write(self, event: Mapping[str, Any]) -> None:
         if self.path is None:
             return
-        if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
+        if self._file is None:  # written to after close(): reopen
+            self._file = self._open(self.path)
         self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
         self._file.flush()
 

@@ -154,10 +154,59 @@ def check_object(t: Target, body: object, *, kind: str | None = None,
     if got_kind != kind:
         raise RequestError(apistatus.bad_request(
             f'{got_kind} in version "{got_version}" cannot be handled as a {kind}'))
-    meta = body.setdefault("metadata", {})
-    if not isinstance(meta, dict):
-        raise RequestError(apistatus.bad_request("metadata must be an object"))
+    if body.get("metadata") is None:
+        body["metadata"] = {}
+    check_metadata(t, body, kind)
     return body
+
+
+_STRING_FIELDS = ("name", "generateName", "namespace", "resourceVersion")
+_MAP_FIELDS = ("labels", "annotations")
+
+
+def _shown(value: object) -> str:
+    """A value as kube's ``field.Invalid`` prints it (strings quoted)."""
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def check_metadata(t: Target, body: dict, kind: str) -> None:
+    """422 Invalid unless metadata is an object whose name, generateName, namespace and
+    resourceVersion are strings and whose labels and annotations map strings to strings.
+
+    ``null`` fields are dropped, as kube decodes them to the empty value. Without this a
+    badly typed field would be stored and break every later selector on the resource.
+    """
+    meta = body["metadata"]
+    problems: list[str] = []
+    if not isinstance(meta, dict):
+        problems.append(f"metadata: Invalid value: {_shown(meta)}: must be of type object")
+        meta = {}
+    for key in _STRING_FIELDS:
+        if key in meta and meta[key] is None:
+            del meta[key]
+        elif key in meta and not isinstance(meta[key], str):
+            problems.append(f"metadata.{key}: Invalid value: {_shown(meta[key])}: "
+                            "must be of type string")
+    for key in _MAP_FIELDS:
+        value = meta.get(key)
+        if key in meta and value is None:
+            del meta[key]
+        elif key in meta and not isinstance(value, dict):
+            problems.append(f"metadata.{key}: Invalid value: {_shown(value)}: "
+                            "must be a map of string to string")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    problems.append(f"metadata.{key}: Invalid value: {_shown(k)}: "
+                                    "keys must be of type string")
+                elif not isinstance(v, str):
+                    problems.append(f"metadata.{key}[{k}]: Invalid value: {_shown(v)}: "
+                                    "must be of type string")
+    if not problems:
+        return
+    name = meta.get("name") if isinstance(meta.get("name"), str) else t.path_name
+    message = problems[0] if len(problems) == 1 else "[" + ", ".join(problems) + "]"
+    raise RequestError(apistatus.invalid(t.group, t.resource, kind, name or "", message))
 
 
 def check_url_name(t: Target, obj: dict) -> None:

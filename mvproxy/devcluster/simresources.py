@@ -231,18 +231,10 @@ class ResourceAPI:
             return apistatus.conflict(t.group, t.resource, t.path_name, f"Precondition "
                                       f"failed: {exc}")
         if t.group == "" and t.resource == "namespaces":
-            await self._run(self._empty_namespace, t.path_name)
+            # Deleting a namespace deletes what is in it (kube does it asynchronously),
+            # including resources only other servers sharing the store serve.
+            await self._run(self.store.delete_namespace_contents, t.path_name)
         return json_response(present(t, deleted))
-
-    def _empty_namespace(self, namespace: str) -> None:
-        """Deleting a namespace deletes what is in it (kube does it asynchronously)."""
-        seen: set[tuple[str, str]] = set()
-        for group in self.catalog.groups:
-            for version in group.versions:
-                for r in version.resources:
-                    if r.namespaced and (group.name, r.resource) not in seen:
-                        seen.add((group.name, r.resource))
-                        self.store.delete_collection(group.name, r.resource, namespace)
 
     async def _deletecollection(self, request: web.Request, t: Target) -> web.Response:
         q = request.query

@@ -166,8 +166,12 @@ def run_sim(args: Any) -> int:
         raise UsageError(str(exc)) from None
     pki = Path(args.pki)
     ctx = _tls_context(pki, args.server_id)
-    authenticator, audit = _authentication(args, pki)
-    store = _open_store(args.store)
+    authenticator, audit = _authentication(args, pki)  # opens the audit log: exit 2 if not
+    try:
+        store = _open_store(args.store)
+    except BaseException:
+        audit.close()
+        raise
     try:
         address = f"{args.bind_address}:{args.secure_port}"
         app = build_app(catalog=catalog, store=store, server_id=args.server_id,

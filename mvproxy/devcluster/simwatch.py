@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import traceback
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
+
+from mvproxy.logs import kv
 
 from . import apistatus, tables
 from .mediatypes import WATCH_CONVERSIONS, Negotiated, negotiate
 from .simobjects import RequestError, Target, present
 from .store import Expired, Store, WatchEvent, parse_field_selector, parse_label_selector
+
+log = logging.getLogger(__name__)
 
 #: How often a stream with nothing to say checks that its client is still there.
 _LIVENESS_CHECK = 1.0
@@ -73,6 +80,16 @@ def _line(type_: str, obj: dict) -> bytes:
 
 def expired_line(exc: Expired) -> bytes:
     status = apistatus.status_body(410, str(exc), reason="Expired")
+    return _line("ERROR", status)
+
+
+def internal_error_line(t: Target) -> bytes:
+    """kube's answer when a watch fails inside the server: an ERROR event carrying a 500
+    ``InternalError`` Status; the stream then ends and the client re-lists."""
+    message = (f"Internal error occurred: watch of "
+               f"{apistatus.qualified(t.group, t.resource)} failed")
+    status = apistatus.status_body(500, message, reason="InternalError",
+                                   details={"causes": [{"message": "watch failed"}]})
     return _line("ERROR", status)
 
 
@@ -155,7 +172,8 @@ class _Stream:
             start = await self._initial(store, t)
         self.last_rv = start
         events = store.watch(t.group, t.resource, t.scope(), start,
-                             label_selector=self.opts.labels, field_selector=self.opts.fields)
+                             label_selector=self.opts.labels, field_selector=self.opts.fields,
+                             progress=self._advance)
         self.pump = asyncio.create_task(self._fill(events))
         await self._drain()
 
@@ -169,13 +187,28 @@ class _Stream:
             await self.response.write(self.encoder.bookmark(int(rv), initial_end=True))
         return int(rv)
 
+    def _advance(self, resource_version: int) -> None:
+        """Called by ``store.watch`` once every event up to ``resource_version`` is queued
+        (matching or not): bookmarks may report it, and still never skip an event."""
+        self.last_rv = max(self.last_rv, resource_version)
+
     async def _fill(self, events: AsyncIterator[WatchEvent]) -> None:
         try:
             async for event in events:
                 await self.queue.put(self.encoder.event(event.type, event.object))
-                self.last_rv = event.resource_version
+                self._advance(event.resource_version)
         except Expired as exc:
             await self.queue.put(expired_line(exc))
+            await self.queue.put(None)
+        except Exception as exc:  # noqa: BLE001 - a dead pump must not leave a silent stream
+            t = self.encoder.t
+            frames = traceback.extract_tb(exc.__traceback__)
+            at = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+            # Type and place only: an exception's message may quote a stored object.
+            log.error("watch stream failed", extra=kv(
+                resource=apistatus.qualified(t.group, t.resource),
+                namespace=t.namespace or "*", error=type(exc).__name__, at=at))
+            await self.queue.put(internal_error_line(t))
             await self.queue.put(None)
 
     async def _drain(self) -> None:
@@ -194,7 +227,7 @@ class _Stream:
                 if self._client_gone():
                     return
                 if next_bookmark is not None and now >= next_bookmark:
-                    # Only what was already delivered: a bookmark never skips an event.
+                    # The queue is empty, so everything up to last_rv was delivered.
                     await self.response.write(self.encoder.bookmark(self.last_rv))
                     next_bookmark = now + self.bookmark_interval
                 continue

@@ -185,10 +185,21 @@ def parse_label_selector(text: str) -> Predicate:
         reqs.append(_label_requirement(part))
 
     def match(obj: dict) -> bool:
-        labels = (obj.get("metadata") or {}).get("labels") or {}
-        return all(r(labels) for r in reqs)
+        return all(r(_labels_of(obj)) for r in reqs)
 
     return match
+
+
+def _metadata_of(obj: dict) -> dict:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _labels_of(obj: dict) -> dict:
+    """An object's labels; a badly typed value (stored before validation) counts as none,
+    so one bad object cannot break selectors for every client of its resource."""
+    labels = _metadata_of(obj).get("labels")
+    return labels if isinstance(labels, dict) else {}
 
 
 _FIELDS = {"metadata.name": "name", "metadata.namespace": "namespace"}
@@ -213,7 +224,7 @@ def parse_field_selector(text: str) -> Predicate:
         reqs.append((_FIELDS[field], op == "!=", value.strip()))
 
     def match(obj: dict) -> bool:
-        meta = obj.get("metadata") or {}
+        meta = _metadata_of(obj)
         return all((meta.get(attr, "") == value) != negate for attr, negate, value in reqs)
 
     return match
@@ -511,6 +522,21 @@ class Store:
                     deleted.append(self._delete_in(cur, Key(group, resource, ns, name), obj))
         return deleted
 
+    def delete_namespace_contents(self, namespace: str) -> list[dict]:
+        """Delete every object stored in ``namespace``, whatever its resource (also those
+        only other servers' catalogs serve), in one transaction; each gets its DELETED
+        event so every server's watchers see it."""
+        if not namespace:
+            raise ValueError("delete_namespace_contents needs a namespace")
+        with self._write() as cur:
+            rows = cur.execute(
+                "SELECT grp, resource, name, data FROM objects WHERE namespace = ?"
+                " ORDER BY grp, resource, name",
+                (namespace,),
+            ).fetchall()
+            return [self._delete_in(cur, Key(group, resource, namespace, name), json.loads(data))
+                    for group, resource, name, data in rows]
+
     # -- list -----------------------------------------------------------
 
     def current_resource_version(self) -> int:
@@ -609,6 +635,7 @@ class Store:
         label_selector: str = "",
         field_selector: str = "",
         poll_interval: float = 0.05,
+        progress: Callable[[int], None] | None = None,
     ) -> AsyncIterator[WatchEvent]:
         """Stream changes after ``resource_version``, across processes, by polling.
 
@@ -616,6 +643,10 @@ class Store:
         as kube does for an unset rv. With selectors, an object that starts matching
         arrives as ADDED and one that stops matching as DELETED, as in kube. Database
         reads run in a worker thread so the event loop is never held up.
+
+        ``progress`` is called with the cursor after each poll, once every event up to it
+        has been yielded (and taken): how far the watch has seen, even where nothing
+        matched the selectors, which is what a bookmark may report.
         """
         match = _selector(label_selector, field_selector)
         cursor = resource_version
@@ -635,6 +666,8 @@ class Store:
                 filtered = _filter_event(event, prev, match)
                 if filtered is not None:
                     yield filtered
+            if progress is not None:
+                progress(cursor)
             await asyncio.sleep(poll_interval)
 
 
