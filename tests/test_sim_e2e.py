@@ -28,7 +28,7 @@ from mvproxy.devcluster.catalog import Catalog, load_catalog
 from mvproxy.devcluster.kubeconfig import write_kubeconfig
 from mvproxy.devcluster.launcher import SimProcess, free_port, write_token_file
 from mvproxy.pki import init_pki
-from e2e_support import LineReader
+from e2e_support import LineReader, stop_popen
 
 READY_TIMEOUT = 30.0
 WAIT_TIMEOUT = 15.0  # for things that happen asynchronously (a watch event, an audit line)
@@ -288,13 +288,7 @@ def test_watch_prints_an_object_created_through_the_other_sim(k, kubectl, cluste
         k("create", "configmap", "after", "-n", ns, context="sim-135")
         reader.wait_for(lambda line: line.split()[:1] == ["after"], WAIT_TIMEOUT)
     finally:
-        proc.kill()
-        proc.wait(10)
-        if reader is not None:
-            reader.join(5)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        stop_popen(proc, reader)
 
 
 DEPLOYMENT = """\

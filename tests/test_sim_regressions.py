@@ -17,24 +17,12 @@ import pytest
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.simserver import SIM, build_app
 from mvproxy.devcluster.store import Key, Store
+from test_sim_resources import client, store_path  # noqa: F401 - shared fixtures
 
 SECRETS = "/api/v1/namespaces/default/secrets"
 CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
 PODGROUPS = "/apis/scheduling.k8s.io/v1alpha2/namespaces/{ns}/podgroups"
 STEP = 5.0  # upper bound for any single wait on a stream
-
-
-@pytest.fixture
-def store_path(tmp_path):
-    return tmp_path / "store.db"
-
-
-@pytest.fixture
-async def client(aiohttp_client, store_path):
-    with Store(store_path, event_retention=50) as store:
-        app = build_app(catalog=load_catalog("1.36"), store=store, server_id="sim-a",
-                        bookmark_interval=0.1)
-        yield await aiohttp_client(app)
 
 
 def store_of(client) -> Store:
