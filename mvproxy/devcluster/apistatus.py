@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mvproxy.kubestatus import REASONS, json_response, status_body, status_response  # noqa: F401 - re-exported
+from mvproxy.kubestatus import json_response, status_body, status_response  # noqa: F401 - re-exported
 
 
 # --- kube-apiserver's common failures, worded as apimachinery's ``errors`` package does ---
@@ -36,11 +36,16 @@ def object_not_found(group: str, resource: str, name: str) -> web.Response:
                            details=_details(group, resource, name))
 
 
-def path_not_found() -> web.Response:
-    """An unknown group, version, resource or path: kube's generic 404 (``details: {}``)."""
-    body = status_body(404, "the server could not find the requested resource")
+def _generic(code: int, message: str) -> web.Response:
+    """kube's generic errors carry an empty ``details: {}``."""
+    body = status_body(code, message)
     body["details"] = {}
-    return json_response(404, body)
+    return json_response(code, body)
+
+
+def path_not_found() -> web.Response:
+    """An unknown group, version, resource or path: kube's generic 404."""
+    return _generic(404, "the server could not find the requested resource")
 
 
 def already_exists(group: str, resource: str, name: str) -> web.Response:
@@ -70,9 +75,7 @@ def invalid(group: str, resource: str, kind: str, name: str, message: str) -> we
 
 
 def method_not_allowed() -> web.Response:
-    body = status_body(405, "the server does not allow this method on the requested resource")
-    body["details"] = {}
-    return json_response(405, body)
+    return _generic(405, "the server does not allow this method on the requested resource")
 
 
 def not_acceptable(accepted: str = "application/json") -> web.Response:

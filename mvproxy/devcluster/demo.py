@@ -173,13 +173,7 @@ class DemoCluster:
         With ``wait``, return once it is ready and every running mvproxy sees every
         running peer again.
         """
-        server = self.server(sid)
-        server.proxy.start()
-        self.write_state()
-        if wait:
-            deadline = time.monotonic() + timeout
-            server.proxy.wait_ready(timeout)
-            self.wait_converged(max(0.1, deadline - time.monotonic()))
+        self._restart(self.server(sid).proxy, wait, timeout)
 
     def stop_backend(self, sid: str) -> None:
         """Stop one server's simulated kube-apiserver (its mvproxy keeps running)."""
@@ -188,12 +182,15 @@ class DemoCluster:
     def start_backend(self, sid: str, *, wait: bool = True,
                       timeout: float = READY_TIMEOUT) -> None:
         """Start one server's kube-apiserver again (same port, store and audit log)."""
-        server = self.server(sid)
-        server.backend.start()
+        self._restart(self.server(sid).backend, wait, timeout)
+
+    def _restart(self, process, wait: bool, timeout: float) -> None:
+        """Start a stopped process again; with ``wait``, until the cluster converged."""
+        process.start()
         self.write_state()
         if wait:
             deadline = time.monotonic() + timeout
-            server.backend.wait_ready(timeout)
+            process.wait_ready(timeout)
             self.wait_converged(max(0.1, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ readiness
