@@ -56,10 +56,11 @@ class Daemon:
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
-    """Serving context; client certificates optional, verified by either CA if sent."""
+    """Serving context; client certificates optional, verified by the client CA or the
+    peer client CA if sent (``identity`` then tells which one issued it)."""
     ctx = pki.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
-    if cfg.peer.ca_file and cfg.peer.ca_file != cfg.client_ca_file:
-        ctx.load_verify_locations(cafile=cfg.peer.ca_file)
+    if cfg.peer.client_ca_file and cfg.peer.client_ca_file != cfg.client_ca_file:
+        ctx.load_verify_locations(cafile=cfg.peer.client_ca_file)
         ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
 
@@ -79,6 +80,9 @@ def _peer_upstreams(membership: Membership, peer_ssl: ssl.SSLContext | None):
 
 
 def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
+    if cfg.peer.insecure_shared_ca:
+        log.warning("peer.insecureSharedCA is set: a user certificate with an allowed peer "
+                    "name can act as a peer and claim any user")
     metrics = Metrics()
     transport = Transport(connect_timeout=cfg.timeouts.connect,
                           request_timeout=cfg.timeouts.request)
@@ -104,7 +108,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                                  max_bytes=cfg.discovery.max_document_bytes,
                                  retry_after=retry_after)
     identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
-                                peer_ca_file=cfg.peer.ca_file,
+                                peer_client_ca_file=cfg.peer.client_ca_file,
                                 peer_allowed_names=cfg.peer.allowed_names)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, identity=identity, metrics=metrics, discovery=discovery,

@@ -215,6 +215,12 @@ def _duration(*, allow_zero: bool = False) -> Parser:
     return parse
 
 
+def _boolean(value: object, path: str, ctx: _Context) -> bool:
+    if not isinstance(value, bool):  # 1 or the string "true" is a mistake, not a yes
+        raise _Invalid(f"must be true or false, got {_describe(value)}")
+    return value
+
+
 def _choice(*options: str) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> str:
         if value not in options:
@@ -336,20 +342,39 @@ class BackendConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PeerConfig:
-    """How mvproxy talks to, and recognises, peers (YAML ``peer``)."""
+    """How mvproxy talks to, and recognises, peers (YAML ``peer``).
+
+    Two CAs, as in kube-apiserver: ``ca_file`` verifies the peers' *serving*
+    certificates (upstream's ``--peer-ca-file``); ``client_ca_file`` verifies the
+    *client* certificates peers present, and must be a CA that signs only proxies
+    (kubeadm's front-proxy CA), because a peer may assert any user.
+    """
 
     ca_file: str | None = _key("caFile", _readable_file, default=None)
-    """PEM bundle that verifies peers, both as servers and as clients (None: no peers).
-    Required when peers are configured, like upstream's ``--peer-ca-file``."""
+    """PEM bundle that verifies peers' serving certificates (None: no peers). Required when
+    peers are configured, like upstream's ``--peer-ca-file``; usually the cluster CA."""
+    client_ca_file: str | None = _key("clientCAFile", _readable_file, default=None)
+    """PEM bundle that verifies the client certificates of peers (None: no peers). Required
+    when peers are configured. Use a CA that signs only proxies, such as kubeadm's
+    ``front-proxy-ca.crt``: whoever holds a certificate it signs with an allowed name can
+    claim to be any user. Refused if it shares a CA with ``clientCAFile`` (which signs user
+    certificates, and the CSR API can issue one named like a peer) unless
+    ``insecureSharedCA`` is set."""
     cert_file: str | None = _key("certFile", _readable_file, default=None)
-    """Certificate this mvproxy presents to peers (None). Required when peers are configured."""
+    """Client certificate this mvproxy presents to peers (None). Required when peers are
+    configured; usually the front-proxy client certificate, which a peer that is a real
+    kube-apiserver also accepts through requestheader authentication."""
     key_file: str | None = _key("keyFile", _readable_file, default=None)
     """Private key of ``cert_file`` (None). Required when peers are configured."""
     allowed_names: tuple[str, ...] = _key(
-        "allowedNames", _list_of(_string, non_empty=True), default=("mvproxy-peer",)
+        "allowedNames", _list_of(_string, non_empty=True), default=("front-proxy-client",)
     )
-    """Client-certificate CNs trusted as peers (``("mvproxy-peer",)``). The cluster CA also
-    signs user certificates, so the name, not the CA alone, is what makes a peer."""
+    """Client-certificate CNs (from ``client_ca_file``) trusted as peers
+    (``("front-proxy-client",)``, kubeadm's requestheader allowed name)."""
+    insecure_shared_ca: bool = _key("insecureSharedCA", _boolean, default=False)
+    """Accept a ``client_ca_file`` that shares a CA with ``clientCAFile`` (false). Insecure:
+    any certificate that CA issues with an allowed name, a user's included, can then act
+    as a peer and claim any user, ``system:masters`` too. For test clusters only."""
     advertise_url: str | None = _key("advertiseURL", _https_url, default=None)
     """``https://`` URL peers should use to reach this mvproxy (None: not advertised).
     Only dynamic membership publishes it; static peers are configured on every side."""
@@ -517,7 +542,8 @@ def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
     if not _valid(peers):
         return
     if peers and _valid(peer):
-        for attr, key in (("ca_file", "caFile"), ("cert_file", "certFile"), ("key_file", "keyFile")):
+        for attr, key in (("ca_file", "caFile"), ("client_ca_file", "clientCAFile"),
+                          ("cert_file", "certFile"), ("key_file", "keyFile")):
             if getattr(peer, attr) is None:
                 ctx.add(f"peer.{key}", "required when peers are configured")
     for index, static in enumerate(peers):

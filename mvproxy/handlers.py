@@ -22,7 +22,7 @@ from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
-from mvproxy.identity import Downstream, IdentityResolver, is_peer_proxied
+from mvproxy.identity import REFUSED, Downstream, IdentityResolver, is_peer_proxied
 from mvproxy.kubestatus import status_response, upstream_failure
 from mvproxy.logs import V, kv
 from mvproxy.metrics import Metrics
@@ -70,6 +70,8 @@ class Proxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         downstream = self.identity.resolve(_client_certificate(request))
+        if downstream.kind == REFUSED:
+            return status_response(401, downstream.reason)
         info = parse_request_info(request.method, request.path, request.query_string)
         decision = routing.decide(info, self.cache.view(),
                                   peer_proxied=is_peer_proxied(downstream, request.headers),

@@ -2,15 +2,21 @@
 
 Three kinds of downstream (DESIGN.md "Identity"):
 
-- a **peer**: its client certificate chains to the peer CA *and* its CN is one of
+- a **peer**: its client certificate was issued by the *peer client CA* (a CA that
+  signs only proxies, kubeadm's front-proxy CA) *and* its CN is one of
   ``peer.allowedNames``. Only a peer's ``X-Remote-*`` and
   ``x-kubernetes-peer-proxied`` headers are believed: the peer authenticated the
   user and vouches for it.
 - a **user** with a client certificate verified against ``clientCAFile``: user = CN,
   groups = O. mvproxy forwards it as ``X-Remote-User``/``X-Remote-Group``, which the
   backend accepts because mvproxy presents its front-proxy client certificate.
-- anyone else (bearer token, or nothing): credentials pass through unchanged and
-  the backend decides.
+- anyone else (bearer token, or nothing): **anonymous** to mvproxy; credentials pass
+  through unchanged and the backend decides, seeing no client certificate at all.
+
+Names are read as kube-apiserver reads them (Go: the last CN, every O), and a
+certificate with several CNs is refused outright: OpenSSL-based tools show the
+first, Go uses the last, and a peer check that read one while the backend read the
+other would let ``/CN=front-proxy-client/CN=alice`` pass as either.
 
 Identity headers from a non-peer are removed before forwarding: otherwise any
 client could claim to be ``system:masters``. ``Impersonate-*`` headers stay: the
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from cryptography import x509
 
 from mvproxy import pki
+from mvproxy.logs import kv
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +46,7 @@ REMOTE_USER = "X-Remote-User"
 REMOTE_GROUP = "X-Remote-Group"
 REMOTE_PREFIX = "x-remote-"
 
-PEER, USER, ANONYMOUS = "peer", "user", "anonymous"
+PEER, USER, ANONYMOUS, REFUSED = "peer", "user", "anonymous", "refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,8 @@ class Downstream:
     kind: str
     user: str = ""
     groups: tuple[str, ...] = ()
+    reason: str = ""
+    """For ``REFUSED``: why the certificate cannot identify anyone (shown to the client)."""
 
     @property
     def is_peer(self) -> bool:
@@ -56,6 +65,10 @@ class Downstream:
 
 
 ANONYMOUS_DOWNSTREAM = Downstream(ANONYMOUS)
+AMBIGUOUS_DOWNSTREAM = Downstream(
+    REFUSED, reason="the client certificate has more than one common name (CN); "
+                    "kube-apiserver would use the last one and tools show the first, so "
+                    "it identifies nobody here")
 
 
 class IdentityResolver:
@@ -65,10 +78,11 @@ class IdentityResolver:
     the certificate, because the two roles carry different rights.
     """
 
-    def __init__(self, *, client_ca_file: str | None, peer_ca_file: str | None,
+    def __init__(self, *, client_ca_file: str | None, peer_client_ca_file: str | None,
                  peer_allowed_names: Iterable[str], memo_size: int = 1024):
         self._client_cas = pki.load_ca_bundle(client_ca_file, "client CA file") if client_ca_file else ()
-        self._peer_cas = pki.load_ca_bundle(peer_ca_file, "peer CA file") if peer_ca_file else ()
+        self._peer_cas = (pki.load_ca_bundle(peer_client_ca_file, "peer client CA file")
+                          if peer_client_ca_file else ())
         self._allowed = frozenset(peer_allowed_names)
         self._memo: OrderedDict[bytes, Downstream] = OrderedDict()
         self._memo_size = memo_size
@@ -87,13 +101,20 @@ class IdentityResolver:
     def _classify(self, der: bytes) -> Downstream:
         try:
             cert = x509.load_der_x509_certificate(der)
+            names = pki.common_names(der)
             cn, orgs = pki.subject_identity(der)
-        except ValueError:
+        except (ValueError, pki.PKIError):
             # OpenSSL verified it but cryptography cannot parse it: trust nothing it
             # claims; its bearer token (if any) still reaches the backend unchanged.
             log.warning("client certificate could not be parsed; treating the connection "
                         "as anonymous")
             return ANONYMOUS_DOWNSTREAM
+        trusted = pki.issued_by_any(cert, self._peer_cas) or pki.issued_by_any(
+            cert, self._client_cas)
+        if trusted and len(names) > 1:
+            log.warning("client certificate with several common names refused",
+                        extra=kv(common_names=len(names)))
+            return AMBIGUOUS_DOWNSTREAM
         if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
         if cn and pki.issued_by_any(cert, self._client_cas):

@@ -60,7 +60,6 @@ ADMIN_CN = "kubernetes-admin"
 ADMIN_GROUP = "system:masters"
 APISERVER_CN = "kube-apiserver"
 MVPROXY_CN = "mvproxy"
-PEER_CN = "mvproxy-peer"
 FRONT_PROXY_CLIENT_CN = "front-proxy-client"
 
 #: Names every local serving certificate answers to.
@@ -295,9 +294,6 @@ def _generate_layout(
                 ca, APISERVER_CN, [server_auth], now, days, hosts=apiserver_hosts
             ),
             "mvproxy": _make_leaf(ca, MVPROXY_CN, [server_auth], now, days, hosts=mvproxy_hosts),
-            "peer": _make_leaf(
-                ca, PEER_CN, [client_auth, server_auth], now, days, hosts=mvproxy_hosts
-            ),
             "front-proxy-client": _make_leaf(
                 front_ca, FRONT_PROXY_CLIENT_CN, [client_auth], now, days
             ),
@@ -308,7 +304,9 @@ def _generate_layout(
 
 
 _TOP_LEVEL_STEMS = ("ca", "front-proxy-ca", "admin")
-_SERVER_STEMS = ("apiserver", "mvproxy", "peer", "front-proxy-client")
+_SERVER_STEMS = ("apiserver", "mvproxy", "front-proxy-client")
+_OLD_SERVER_STEMS = ("peer",)
+"""Written by earlier versions (a cluster-CA peer certificate); ``--force`` may replace them."""
 
 
 def _pair_names(stems: Sequence[str]) -> frozenset[str]:
@@ -321,7 +319,8 @@ def _foreign_content(directory: Path) -> list[str]:
     A server-ID directory counts as ours only if it holds nothing but our pairs, so a
     mistyped DIR (a project folder, a home directory) is never wiped.
     """
-    ours, per_server = _pair_names(_TOP_LEVEL_STEMS), _pair_names(_SERVER_STEMS)
+    ours = _pair_names(_TOP_LEVEL_STEMS)
+    per_server = _pair_names(_SERVER_STEMS + _OLD_SERVER_STEMS)
     foreign = []
     for entry in directory.iterdir():
         if entry.name in PRESERVED_FILES or entry.name.startswith(".") or entry.name in ours:
@@ -643,13 +642,44 @@ def check_certificate(
 
 
 def subject_identity(der_cert: bytes) -> tuple[str, tuple[str, ...]]:
-    """(CN, organisations) of a peer certificate: Kubernetes' user name and groups."""
+    """(CN, organisations) of a certificate: Kubernetes' user name and groups.
+
+    Read as Go's ``pkix.Name`` does (kube-apiserver's x509 authenticator): the *last*
+    CN wins, every O counts, in order. Callers that grant rights should refuse a
+    subject with several CNs (``common_names``) rather than pick one.
+    """
+    cert = _load_der(der_cert)
+    common_names = _common_names(cert)
+    cn = common_names[-1] if common_names else ""
+    orgs = tuple(str(a.value) for a in cert.subject.get_attributes_for_oid(
+        NameOID.ORGANIZATION_NAME))
+    return cn, orgs
+
+
+def common_names(der_cert: bytes) -> tuple[str, ...]:
+    """Every CN of the subject, in order (more than one is ambiguous: OpenSSL-based tools
+    read the first, Go the last)."""
+    return _common_names(_load_der(der_cert))
+
+
+def _common_names(cert: x509.Certificate) -> tuple[str, ...]:
+    return tuple(str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))
+
+
+def _load_der(der_cert: bytes) -> x509.Certificate:
     try:
-        cert = x509.load_der_x509_certificate(der_cert)
+        return x509.load_der_x509_certificate(der_cert)
     except (ValueError, TypeError) as e:
         raise PKIError("peer certificate is not valid DER") from e
-    subject = cert.subject
-    common_names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    cn = str(common_names[0].value) if common_names else ""
-    orgs = tuple(str(a.value) for a in subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME))
-    return cn, orgs
+
+
+def shared_cas(first: StrPath, second: StrPath) -> list[str]:
+    """Subjects of the CAs found in both PEM bundles, compared by public key (a CA
+    re-issued with the same key signs the same certificates)."""
+    def keys(path: StrPath) -> dict[bytes, str]:
+        spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        return {cert.public_key().public_bytes(*spki): cert.subject.rfc4514_string()
+                for cert in load_ca_bundle(path, "CA file")}
+
+    theirs = keys(second)
+    return sorted({subject for key, subject in keys(first).items() if key in theirs})

@@ -2,14 +2,15 @@
 
 ``config`` checks each file exists and is readable; this module checks what is in
 them (expired, key does not match certificate, not signed by the CA that will verify
-it) so that ``check-config`` and ``run`` fail before listening, naming the setting.
+it, a peer client CA that also signs users) so that ``check-config`` and ``run``
+fail before listening, naming the setting.
 """
 
 from __future__ import annotations
 
 from mvproxy import pki
 from mvproxy.config import Config
-from mvproxy.errors import ConfigError, Problem
+from mvproxy.errors import ConfigError, PKIError, Problem
 
 
 def _pairs(cfg: Config) -> list[tuple[str, str | None, str | None, str | None]]:
@@ -17,7 +18,8 @@ def _pairs(cfg: Config) -> list[tuple[str, str | None, str | None, str | None]]:
     return [
         ("tlsCertFile", cfg.tls_cert_file, cfg.tls_private_key_file, None),
         ("backend.certFile", cfg.backend.cert_file, cfg.backend.key_file, None),
-        ("peer.certFile", cfg.peer.cert_file, cfg.peer.key_file, cfg.peer.ca_file),
+        # Peers configured like this one verify it with their peer.clientCAFile.
+        ("peer.certFile", cfg.peer.cert_file, cfg.peer.key_file, cfg.peer.client_ca_file),
     ]
 
 
@@ -26,7 +28,27 @@ def _cas(cfg: Config) -> list[tuple[str, str | None]]:
         ("clientCAFile", cfg.client_ca_file),
         ("backend.caFile", cfg.backend.ca_file),
         ("peer.caFile", cfg.peer.ca_file),
+        ("peer.clientCAFile", cfg.peer.client_ca_file),
     ]
+
+
+def shared_ca_problems(cfg: Config) -> list[Problem]:
+    """A peer client CA that also signs users lets a user certificate named like a peer
+    (the CSR API issues those) assert any identity, ``system:masters`` included."""
+    peer_ca, client_ca = cfg.peer.client_ca_file, cfg.client_ca_file
+    if not peer_ca or not client_ca or cfg.peer.insecure_shared_ca:
+        return []
+    try:
+        shared = pki.shared_cas(peer_ca, client_ca)
+    except PKIError:
+        return []  # unreadable bundles are reported by material_problems
+    if not shared:
+        return []
+    return [Problem("peer.clientCAFile", (
+        f"shares a CA with clientCAFile ({'; '.join(shared)}): every certificate that CA "
+        "issues to a user with an allowed peer name could act as a peer and claim any "
+        "user; use a CA that signs only proxies (kubeadm's front-proxy-ca.crt), or set "
+        "peer.insecureSharedCA: true for a test cluster"))]
 
 
 def material_problems(cfg: Config) -> list[Problem]:
@@ -40,7 +62,7 @@ def material_problems(cfg: Config) -> list[Problem]:
         if ca:
             found = pki.check_certificate(ca)
             problems += [Problem(path, f"{p.path}: {p.message}") for p in found]
-    return problems
+    return problems + shared_ca_problems(cfg)
 
 
 def check(cfg: Config, source: str) -> Config:

@@ -36,7 +36,8 @@ backend:
   caFile: {pki_dir}/ca.crt
   certFile: {a}/front-proxy-client.crt
   keyFile: {a}/front-proxy-client.key
-peer: {{caFile: {pki_dir}/ca.crt, certFile: {a}/peer.crt, keyFile: {a}/peer.key}}
+peer: {{caFile: {pki_dir}/ca.crt, clientCAFile: {pki_dir}/front-proxy-ca.crt,
+  certFile: {a}/front-proxy-client.crt, keyFile: {a}/front-proxy-client.key}}
 peers: {{static: [{{serverID: apiserver-b, url: "https://127.0.0.2:6443"}}]}}
 {extra}""")
     return path
@@ -89,22 +90,51 @@ def test_flags_override_the_file_and_are_validated(tmp_path, cluster_pki):
 
 def test_a_key_that_does_not_match_its_certificate_names_both_files(tmp_path, cluster_pki):
     config = write_config(tmp_path / "c.yaml", cluster_pki)
-    wrong_key = cluster_pki / "apiserver-b" / "peer.key"
+    wrong_key = cluster_pki / "apiserver-b" / "front-proxy-client.key"
     config.write_text(config.read_text().replace(
-        str(cluster_pki / "apiserver-a" / "peer.key"), str(wrong_key)))
+        f"keyFile: {cluster_pki / 'apiserver-a' / 'front-proxy-client.key'}}}",
+        f"keyFile: {wrong_key}}}"))
     result = mvproxy_cmd("check-config", str(config))
     assert_clean_failure(result)
     assert "peer.certFile:" in result.stderr
     assert f"{wrong_key}: private key does not match certificate" in result.stderr
 
 
-def test_a_certificate_not_signed_by_the_peer_ca_is_reported(tmp_path, cluster_pki):
+def test_a_certificate_not_signed_by_the_peer_client_ca_is_reported(tmp_path, cluster_pki):
     config = write_config(tmp_path / "c.yaml", cluster_pki)
     config.write_text(config.read_text().replace(
-        f"peer: {{caFile: {cluster_pki}/ca.crt", f"peer: {{caFile: {cluster_pki}/front-proxy-ca.crt"))
+        f"clientCAFile: {cluster_pki}/front-proxy-ca.crt,",
+        f"clientCAFile: {cluster_pki}/ca.crt, insecureSharedCA: true,"))
     result = mvproxy_cmd("check-config", str(config))
     assert_clean_failure(result)
     assert "peer.certFile:" in result.stderr and "not signed" in result.stderr
+
+
+def test_a_peer_client_ca_shared_with_the_client_ca_is_refused(tmp_path, cluster_pki):
+    """The cluster CA signs users; the CSR API can issue one named front-proxy-client,
+    which would then be a peer able to claim system:masters (issue: one trust model)."""
+    config = write_config(tmp_path / "c.yaml", cluster_pki)
+    shared = config.read_text().replace(f"clientCAFile: {cluster_pki}/front-proxy-ca.crt,",
+                                        f"clientCAFile: {cluster_pki}/ca.crt,")
+    config.write_text(shared)
+    result = mvproxy_cmd("check-config", str(config))
+    assert_clean_failure(result)
+    assert "peer.clientCAFile: shares a CA with clientCAFile (CN=mvproxy-ca)" in result.stderr
+    assert "insecureSharedCA" in result.stderr
+    run = mvproxy_cmd("run", "--config", str(config))
+    assert_clean_failure(run)
+    assert "peer.clientCAFile: shares a CA" in run.stderr
+    # A bundle that merely *contains* the cluster CA is the same hole.
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_bytes((cluster_pki / "front-proxy-ca.crt").read_bytes()
+                       + (cluster_pki / "ca.crt").read_bytes())
+    config.write_text(shared.replace(f"clientCAFile: {cluster_pki}/ca.crt,",
+                                     f"clientCAFile: {bundle},"))
+    assert "peer.clientCAFile: shares a CA" in mvproxy_cmd("check-config", str(config)).stderr
+    # The documented override, for test clusters only.
+    config.write_text(shared.replace("peer: {", "peer: {insecureSharedCA: true, "))
+    # (the certificate check still applies: front-proxy-client is not signed by ca.crt)
+    assert "shares a CA" not in mvproxy_cmd("check-config", str(config)).stderr
 
 
 @pytest.mark.parametrize("args,message", [
@@ -129,7 +159,7 @@ def test_certs_init_writes_the_layout_and_refuses_to_overwrite(tmp_path):
     target = tmp_path / "pki"
     first = mvproxy_cmd("certs", "init", str(target), "--server-id", "apiserver-a")
     assert first.returncode == 0, first.stderr
-    assert (target / "apiserver-a" / "peer.crt").is_file()
+    assert (target / "apiserver-a" / "front-proxy-client.crt").is_file()
     again = mvproxy_cmd("certs", "init", str(target), "--server-id", "apiserver-a")
     assert_clean_failure(again)
     assert "--force" in again.stderr

@@ -36,8 +36,7 @@ PKI_FILES = [
     "certs/apiserver-a/mvproxy.key",
     "certs/apiserver-a/front-proxy-client.crt",
     "certs/apiserver-a/front-proxy-client.key",
-    "certs/apiserver-a/peer.crt",
-    "certs/apiserver-a/peer.key",
+    "certs/front-proxy-ca.crt",
 ]
 
 MINIMAL = {
@@ -51,8 +50,9 @@ MINIMAL = {
 
 PEER_FILES = {
     "peer.caFile": "certs/ca.crt",
-    "peer.certFile": "certs/apiserver-a/peer.crt",
-    "peer.keyFile": "certs/apiserver-a/peer.key",
+    "peer.clientCAFile": "certs/front-proxy-ca.crt",
+    "peer.certFile": "certs/apiserver-a/front-proxy-client.crt",
+    "peer.keyFile": "certs/apiserver-a/front-proxy-client.key",
 }
 PEER_B = {"serverID": "apiserver-b", "url": "https://10.0.0.2:6443"}
 PEER_C = {"serverID": "apiserver-c", "url": "https://10.0.0.3:6443"}
@@ -105,7 +105,7 @@ def test_minimal_document_gets_every_default(pki):
         backend=BackendConfig(url="https://127.0.0.1:6444"),
     )
     assert (config.bind_address, config.secure_port, config.client_ca_file) == ("0.0.0.0", 6443, None)
-    assert config.peer == PeerConfig(allowed_names=("mvproxy-peer",))
+    assert config.peer == PeerConfig(allowed_names=("front-proxy-client",))
     assert config.peers == ()
     assert config.discovery == DiscoveryConfig(
         poll_interval=5.0, stale_after=15.0, forget_after=600.0, timeout=5.0, max_document_bytes=33554432
@@ -183,7 +183,7 @@ def test_example_file_documents_every_key_and_parses(tmp_path):
     config = load_config(tmp_path / "mvproxy.yaml")
     assert config.server_id == "apiserver-a"
     assert config.peers == (StaticPeer(server_id="apiserver-b", url="https://10.0.0.2:6443"),)
-    assert config.peer.cert_file == str(tmp_path / "certs/apiserver-a/peer.crt")
+    assert config.peer.cert_file == str(tmp_path / "certs/apiserver-a/front-proxy-client.crt")
     assert config.backend.cert_file == str(tmp_path / "certs/apiserver-a/front-proxy-client.crt")
     assert dotted_keys(yaml.safe_load(EXAMPLE.read_text())) == dotted_keys_of(Config) | {"apiVersion", "kind"}
 
@@ -251,7 +251,10 @@ BAD = [
     ("unknown top-level key is rejected", {"colour": "red"}, {"colour": "unknown key"}),
     ("peer files are required when peers are configured", {"peers.static": [PEER_B]},
      {"peer.caFile": "required when peers are configured", "peer.certFile": "required when peers are configured",
+      "peer.clientCAFile": "required when peers are configured",
       "peer.keyFile": "required when peers are configured"}),
+    ("peer.insecureSharedCA must be a boolean", {"peer.insecureSharedCA": "true"},
+     {"peer.insecureSharedCA": "must be true or false, got 'true'"}),
     ("peer.allowedNames must not be empty", {"peer.allowedNames": []}, {"peer.allowedNames": "must not be empty"}),
     ("peer.allowedNames entries must be non-empty strings", {"peer.allowedNames": ["mvproxy-peer", ""]},
      {"peer.allowedNames[1]": "must be a non-empty string, got ''"}),

@@ -43,7 +43,7 @@ WAIT = 10.0
 """Upper bound of every wait for something that should happen at once."""
 
 ALICE = Downstream(USER, "alice", ("viewer", "team-x"))
-PEER_DS = Downstream(PEER, "mvproxy-peer")
+PEER_DS = Downstream(PEER, "front-proxy-client")
 
 
 # --------------------------------------------------------------------------- request headers
@@ -265,11 +265,12 @@ def chain(aiohttp_server, root, transport):
                     **proxy_kw) -> str:
         if upstream_app is not None:
             up_server = await aiohttp_server(upstream_app, ssl=pki.server_context(
-                root / "b" / "peer.crt", root / "b" / "peer.key", root / "ca.crt",
+                root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
                 require_client_cert=True))
             upstream_url = f"https://127.0.0.1:{up_server.port}"
         up = Upstream("apiserver-b", upstream_url, pki.client_context(
-            root / "ca.crt", root / "a" / "peer.crt", root / "a" / "peer.key"), is_peer=True)
+            root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
+            is_peer=True)
         proxy = await aiohttp_server(proxy_app(transport, up, **proxy_kw), ssl=pki.server_context(
             root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
         return f"https://127.0.0.1:{proxy.port}"
@@ -454,10 +455,11 @@ async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_t
         return web.Response(text="too late")
 
     up_server = await aiohttp_server(catch_all(hang), ssl=pki.server_context(
-        root / "b" / "peer.crt", root / "b" / "peer.key", root / "ca.crt",
+        root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
         require_client_cert=True))
     up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", pki.client_context(
-        root / "ca.crt", root / "a" / "peer.crt", root / "a" / "peer.key"), is_peer=True)
+        root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
+        is_peer=True)
     proxy = await aiohttp_server(proxy_app(short_transport, up, long_running=False),
                                  ssl=pki.server_context(root / "a" / "mvproxy.crt",
                                                         root / "a" / "mvproxy.key"))

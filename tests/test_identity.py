@@ -1,14 +1,14 @@
 """identity: who a downstream is, from its (already TLS-verified) client certificate.
 
 The PKI is the development one (``pki.init_pki``): the cluster CA signs the admin
-certificate, every server's peer certificate (CN ``mvproxy-peer``) and, here, a user
-certificate for alice. A second, unrelated PKI provides look-alike certificates whose
-CA has the *same name* (``mvproxy-ca``) but another key: only the signature tells
-them apart.
+certificate and, here, user certificates; the front-proxy CA signs only the
+``front-proxy-client`` certificates, which are what peers present. A second,
+unrelated PKI provides look-alike certificates whose CAs have the *same names* but
+other keys: only the signature tells them apart.
 
-Expectation, from DESIGN.md "Identity": a cluster-CA certificate whose CN is not in
-``peer.allowedNames`` is an ordinary USER (the cluster CA signs user certificates
-too), never a peer.
+Expectations, from DESIGN.md "Identity": peers are proven by a CA that signs only
+proxies, so a *cluster-CA* certificate named like a peer (the CSR API can issue one)
+is an ordinary USER; a certificate with several CNs identifies nobody.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mvproxy.identity import (
     ANONYMOUS,
     ANONYMOUS_DOWNSTREAM,
     PEER,
+    REFUSED,
     USER,
     Downstream,
     IdentityResolver,
@@ -36,15 +37,17 @@ from mvproxy.identity import (
     is_peer_proxied,
 )
 
-PEER_NAME = "mvproxy-peer"
+PEER_NAME = pki.FRONT_PROXY_CLIENT_CN
 
 
-def issue(root: Path, cn: str | None, orgs: tuple[str, ...] = ()) -> bytes:
-    """DER of a client certificate signed by ``root``'s cluster CA."""
-    ca_cert = x509.load_pem_x509_certificate((root / "ca.crt").read_bytes())
-    ca_key = serialization.load_pem_private_key((root / "ca.key").read_bytes(), password=None)
+def issue(root: Path, *cns: str, orgs: tuple[str, ...] = (), ca: str = "ca") -> bytes:
+    """DER of a client certificate signed by ``root``'s CA ``ca`` (``ca`` or
+    ``front-proxy-ca``), with the CNs in ``cns`` in that order."""
+    ca_cert = x509.load_pem_x509_certificate((root / f"{ca}.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((root / f"{ca}.key").read_bytes(),
+                                                password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    attrs = ([x509.NameAttribute(NameOID.COMMON_NAME, cn)] if cn else []) + [
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns] + [
         x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
     now = datetime.now(timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(x509.Name(attrs))
@@ -62,7 +65,7 @@ def der(path: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory) -> tuple[Path, Path]:
-    """(cluster PKI, rogue PKI with a same-named CA)."""
+    """(cluster PKI, rogue PKI with same-named CAs)."""
     good = tmp_path_factory.mktemp("pki") / "pki"
     rogue = tmp_path_factory.mktemp("rogue") / "pki"
     pki.init_pki(good, ["a", "b"], days=2)
@@ -74,25 +77,34 @@ def roots(tmp_path_factory) -> tuple[Path, Path]:
 def certs(roots) -> dict[str, bytes]:
     good, rogue = roots
     return {
-        "peer a": der(good / "a" / "peer.crt"),
-        "peer b": der(good / "b" / "peer.crt"),
+        "peer a": der(good / "a" / "front-proxy-client.crt"),
+        "peer b": der(good / "b" / "front-proxy-client.crt"),
         "admin": der(good / "admin.crt"),
-        "alice": issue(good, "alice", ("viewer", "team-x")),
-        "no cn": issue(good, None, ("viewer",)),
+        "alice": issue(good, "alice", orgs=("viewer", "team-x")),
+        "no cn": issue(good, orgs=("viewer",)),
         "serving cert (CN mvproxy)": der(good / "a" / "mvproxy.crt"),
-        "front-proxy client (other CA)": der(good / "a" / "front-proxy-client.crt"),
-        "rogue peer": der(rogue / "x" / "peer.crt"),
+        "cluster CA, named like a peer": issue(good, PEER_NAME, orgs=("system:masters",)),
+        "front-proxy CA, other name": issue(good, "aggregator", ca="front-proxy-ca"),
+        "rogue peer": der(rogue / "x" / "front-proxy-client.crt"),
         "rogue admin": der(rogue / "admin.crt"),
-        "rogue alice": issue(rogue, "alice", ("viewer",)),
+        "rogue alice": issue(rogue, "alice", orgs=("viewer",)),
+        "two CNs, peer first (front-proxy CA)": issue(good, PEER_NAME, "alice",
+                                                      ca="front-proxy-ca"),
+        "two CNs, peer last (front-proxy CA)": issue(good, "alice", PEER_NAME,
+                                                     ca="front-proxy-ca"),
+        "two CNs (cluster CA)": issue(good, "alice", "kubernetes-admin",
+                                      orgs=("system:masters",)),
+        "two CNs (rogue CA)": issue(rogue, "alice", "bob"),
     }
 
 
 @pytest.fixture(scope="module")
 def resolver(roots) -> IdentityResolver:
-    """The usual deployment: the cluster CA verifies both users and peers."""
+    """The documented deployment: users from the cluster CA, peers from the front-proxy CA."""
     good, _ = roots
     return IdentityResolver(client_ca_file=str(good / "ca.crt"),
-                            peer_ca_file=str(good / "ca.crt"), peer_allowed_names=[PEER_NAME])
+                            peer_client_ca_file=str(good / "front-proxy-ca.crt"),
+                            peer_allowed_names=[PEER_NAME])
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -101,25 +113,50 @@ def resolver(roots) -> IdentityResolver:
     ("admin", Downstream(USER, "kubernetes-admin", ("system:masters",))),
     ("alice", Downstream(USER, "alice", ("viewer", "team-x"))),
     ("serving cert (CN mvproxy)", Downstream(USER, "mvproxy")),
+    ("cluster CA, named like a peer", Downstream(USER, PEER_NAME, ("system:masters",))),
     ("no cn", ANONYMOUS_DOWNSTREAM),
-    ("front-proxy client (other CA)", ANONYMOUS_DOWNSTREAM),
+    ("front-proxy CA, other name", ANONYMOUS_DOWNSTREAM),
     ("rogue peer", ANONYMOUS_DOWNSTREAM),
     ("rogue admin", ANONYMOUS_DOWNSTREAM),
     ("rogue alice", ANONYMOUS_DOWNSTREAM),
+    ("two CNs (rogue CA)", ANONYMOUS_DOWNSTREAM),
 ], ids=[
-    "peer cert is a PEER",
-    "every server's peer cert is a PEER",
+    "front-proxy client cert is a PEER",
+    "every server's front-proxy client cert is a PEER",
     "admin cert is a USER in system:masters",
     "user cert: CN is the user, O the groups",
     "cluster-CA cert whose CN is not an allowed name is a USER",
+    "cluster-CA cert named like a peer is only a USER (CSR API attack)",
     "cluster-CA cert without a CN is ANONYMOUS",
-    "cert from a CA that is neither client nor peer CA is ANONYMOUS",
-    "CN mvproxy-peer from an untrusted same-named CA is ANONYMOUS",
+    "front-proxy-CA cert with another name is ANONYMOUS",
+    "peer look-alike from an untrusted same-named CA is ANONYMOUS",
     "admin look-alike from an untrusted CA is ANONYMOUS",
     "user look-alike from an untrusted CA is ANONYMOUS",
+    "several CNs from an untrusted CA is ANONYMOUS",
 ])
-def test_shared_ca(resolver, certs, name, expected):
+def test_roles_by_issuing_ca_and_name(resolver, certs, name, expected):
     assert resolver.resolve(certs[name]) == expected
+
+
+@pytest.mark.parametrize("name", [
+    "two CNs, peer first (front-proxy CA)",
+    "two CNs, peer last (front-proxy CA)",
+    "two CNs (cluster CA)",
+])
+def test_a_certificate_with_several_common_names_is_refused(resolver, certs, name):
+    """``/CN=front-proxy-client/CN=alice``: OpenSSL shows the first, Go uses the last;
+    either reading would be wrong for one side, so the certificate identifies nobody."""
+    found = resolver.resolve(certs[name])
+    assert found.kind == REFUSED and not found.is_peer
+    assert "more than one common name" in found.reason
+
+
+def test_names_are_read_as_go_reads_them(roots):
+    """kube-apiserver's x509 authenticator: the last CN, every O in order."""
+    good, _ = roots
+    assert pki.subject_identity(issue(good, "first", "last", orgs=("o1", "o2"))) == (
+        "last", ("o1", "o2"))
+    assert pki.common_names(issue(good, "first", "last")) == ("first", "last")
 
 
 @pytest.mark.parametrize("cert", [None, b""], ids=["no certificate", "empty certificate"])
@@ -128,45 +165,32 @@ def test_no_certificate_is_anonymous(resolver, cert):
     assert ANONYMOUS_DOWNSTREAM.kind == ANONYMOUS and not ANONYMOUS_DOWNSTREAM.is_peer
 
 
-def test_peer_name_not_allowed_is_a_user(roots, certs):
+def test_peer_name_not_allowed_is_anonymous(roots, certs):
     good, _ = roots
     strict = IdentityResolver(client_ca_file=str(good / "ca.crt"),
-                              peer_ca_file=str(good / "ca.crt"),
+                              peer_client_ca_file=str(good / "front-proxy-ca.crt"),
                               peer_allowed_names=["someone-else"])
-    assert strict.resolve(certs["peer a"]) == Downstream(USER, PEER_NAME)
-    assert not strict.resolve(certs["peer a"]).is_peer
+    assert strict.resolve(certs["peer a"]) is ANONYMOUS_DOWNSTREAM
 
 
-@pytest.fixture(scope="module")
-def split(roots) -> IdentityResolver:
-    """Users from the cluster CA, peers from a separate peer CA (the rogue one here)."""
-    good, rogue = roots
-    return IdentityResolver(client_ca_file=str(good / "ca.crt"),
-                            peer_ca_file=str(rogue / "ca.crt"), peer_allowed_names=[PEER_NAME])
-
-
-@pytest.mark.parametrize("name, kind", [
-    ("rogue peer", PEER),
-    ("peer a", USER),
-    ("rogue alice", ANONYMOUS),
-    ("alice", USER),
-], ids=[
-    "allowed CN from the peer CA is a PEER",
-    "allowed CN from the client CA only is a USER, not a peer",
-    "other CN from the peer CA only is ANONYMOUS",
-    "user from the client CA is a USER",
-])
-def test_separate_peer_ca(split, certs, name, kind):
-    assert split.resolve(certs[name]).kind == kind
+def test_a_shared_ca_makes_any_user_certificate_with_the_name_a_peer(roots, certs):
+    """Why preflight refuses peer.clientCAFile == clientCAFile: with one CA for both,
+    the cluster-CA certificate named like a peer *is* a peer."""
+    good, _ = roots
+    shared = IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                              peer_client_ca_file=str(good / "ca.crt"),
+                              peer_allowed_names=[PEER_NAME])
+    assert shared.resolve(certs["cluster CA, named like a peer"]).is_peer
 
 
 def test_without_client_ca_only_peers_are_recognised(roots, certs):
     good, _ = roots
-    peers_only = IdentityResolver(client_ca_file=None, peer_ca_file=str(good / "ca.crt"),
+    peers_only = IdentityResolver(client_ca_file=None,
+                                  peer_client_ca_file=str(good / "front-proxy-ca.crt"),
                                   peer_allowed_names=[PEER_NAME])
     assert peers_only.resolve(certs["peer a"]).kind == PEER
     assert peers_only.resolve(certs["admin"]) is ANONYMOUS_DOWNSTREAM
-    nothing = IdentityResolver(client_ca_file=None, peer_ca_file=None,
+    nothing = IdentityResolver(client_ca_file=None, peer_client_ca_file=None,
                                peer_allowed_names=[PEER_NAME])
     assert nothing.resolve(certs["peer a"]) is ANONYMOUS_DOWNSTREAM
 
@@ -174,7 +198,7 @@ def test_without_client_ca_only_peers_are_recognised(roots, certs):
 def test_unreadable_ca_file_is_a_pki_error(tmp_path):
     from mvproxy.errors import PKIError
     with pytest.raises(PKIError, match="client CA file"):
-        IdentityResolver(client_ca_file=str(tmp_path / "missing.crt"), peer_ca_file=None,
+        IdentityResolver(client_ca_file=str(tmp_path / "missing.crt"), peer_client_ca_file=None,
                          peer_allowed_names=[])
 
 
@@ -182,7 +206,8 @@ def test_unreadable_ca_file_is_a_pki_error(tmp_path):
 
 def test_memoised_by_der(roots, certs, monkeypatch):
     good, _ = roots
-    r = IdentityResolver(client_ca_file=str(good / "ca.crt"), peer_ca_file=str(good / "ca.crt"),
+    r = IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                         peer_client_ca_file=str(good / "front-proxy-ca.crt"),
                          peer_allowed_names=[PEER_NAME])
     calls = []
     original = r._classify
@@ -195,7 +220,8 @@ def test_memoised_by_der(roots, certs, monkeypatch):
 
 def test_memo_is_bounded(roots, certs, monkeypatch):
     good, _ = roots
-    r = IdentityResolver(client_ca_file=str(good / "ca.crt"), peer_ca_file=str(good / "ca.crt"),
+    r = IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                         peer_client_ca_file=str(good / "front-proxy-ca.crt"),
                          peer_allowed_names=[PEER_NAME], memo_size=2)
     calls = []
     original = r._classify

@@ -83,7 +83,7 @@ def test_layout_is_the_documented_one(pki: tuple[Path, list[Path]]) -> None:
         "admin.key",
     }
     for server_id in SERVER_IDS:
-        for stem in ("apiserver", "mvproxy", "peer", "front-proxy-client"):
+        for stem in ("apiserver", "mvproxy", "front-proxy-client"):
             expected |= {f"{server_id}/{stem}.crt", f"{server_id}/{stem}.key"}
     assert {str(p.relative_to(directory)) for p in written} == expected
     assert all(p.is_file() for p in written)
@@ -105,7 +105,6 @@ def test_keys_are_private_and_certs_readable(pki: tuple[Path, list[Path]]) -> No
         ("admin.crt", "ca.crt"),
         ("apiserver-a/apiserver.crt", "ca.crt"),
         ("apiserver-a/mvproxy.crt", "ca.crt"),
-        ("apiserver-b/peer.crt", "ca.crt"),
         ("apiserver-b/front-proxy-client.crt", "front-proxy-ca.crt"),
     ],
 )
@@ -160,7 +159,6 @@ def test_subjects_and_ekus(pki_dir: Path) -> None:
     expectations = {
         "apiserver": ("kube-apiserver", {server}),
         "mvproxy": ("mvproxy", {server}),
-        "peer": ("mvproxy-peer", {server, client}),
         "front-proxy-client": ("front-proxy-client", {client}),
     }
     for stem, (common_name, usages) in expectations.items():
@@ -186,7 +184,7 @@ def test_sans(pki_dir: Path) -> None:
         "kubernetes.default.svc.cluster.local",
     }
     assert ips == {"10.0.0.5", "127.0.0.1", "::1"}
-    for stem in ("mvproxy", "peer"):
+    for stem in ("mvproxy",):
         dns, ips = san(load(pki_dir / f"apiserver-b/{stem}.crt"))
         assert dns == {"mvproxy.example.test", "localhost", "kubernetes.default.svc", "apiserver-b"}
         assert ips == {"10.0.0.5", "127.0.0.1", "::1"}
@@ -224,7 +222,7 @@ def test_directory_with_only_readme_needs_no_force(tmp_path: Path) -> None:
     (directory / "README.md").write_text("docs\n")
     init_pki(directory, ["apiserver-a"])
     assert (directory / "README.md").read_text() == "docs\n"
-    assert (directory / "apiserver-a/peer.crt").is_file()
+    assert (directory / "apiserver-a/front-proxy-client.crt").is_file()
 
 
 @pytest.mark.parametrize(
@@ -319,20 +317,29 @@ def mtls_server(pki_dir: Path) -> ssl.SSLContext:
     )
 
 
-def test_mutual_tls_handshake_identifies_peer(pki_dir: Path) -> None:
-    client = client_context(
-        pki_dir / "ca.crt", pki_dir / "apiserver-b/peer.crt", pki_dir / "apiserver-b/peer.key"
-    )
+def test_mutual_tls_handshake_identifies_user(pki_dir: Path) -> None:
+    client = client_context(pki_dir / "ca.crt", pki_dir / "admin.crt", pki_dir / "admin.key")
     server_result, client_result = handshake(mtls_server(pki_dir), client)
     assert client_result == b"ok"
     assert isinstance(server_result, bytes)
-    assert subject_identity(server_result) == ("mvproxy-peer", ())
+    assert subject_identity(server_result) == ("kubernetes-admin", ("system:masters",))
 
 
-def test_peer_cert_can_serve(pki_dir: Path) -> None:
-    server = server_context(pki_dir / "apiserver-b/peer.crt", pki_dir / "apiserver-b/peer.key")
+def test_mvproxy_cert_serves_peers_by_server_id(pki_dir: Path) -> None:
+    server = server_context(pki_dir / "apiserver-b/mvproxy.crt",
+                            pki_dir / "apiserver-b/mvproxy.key")
     _, client_result = handshake(server, client_context(pki_dir / "ca.crt"), "apiserver-b")
     assert client_result == b"ok"
+
+
+def test_force_replaces_a_layout_with_old_peer_certificates(tmp_path: Path) -> None:
+    """Earlier versions wrote ID/peer.crt; such a directory is still ours to replace."""
+    directory = tmp_path / "certs"
+    init_pki(directory, ["apiserver-a"])
+    for ext in ("crt", "key"):
+        (directory / "apiserver-a" / f"peer.{ext}").write_text("old\n")
+    init_pki(directory, ["apiserver-a"], force=True)
+    assert not (directory / "apiserver-a/peer.crt").exists()
 
 
 def test_handshake_without_client_cert_is_refused(pki_dir: Path) -> None:
@@ -381,7 +388,7 @@ def test_contexts_policy(pki_dir: Path) -> None:
 
 
 def test_server_context_with_mismatched_key_names_files(pki_dir: Path) -> None:
-    cert, key = pki_dir / "apiserver-a/mvproxy.crt", pki_dir / "apiserver-a/peer.key"
+    cert, key = pki_dir / "apiserver-a/mvproxy.crt", pki_dir / "apiserver-a/apiserver.key"
     with pytest.raises(PKIError) as err:
         server_context(cert, key)
     assert str(err.value) == f"private key {key} does not match certificate {cert}"
@@ -418,7 +425,7 @@ def test_require_client_cert_needs_a_ca(pki_dir: Path) -> None:
 
 
 def test_generated_certificates_check_clean(pki_dir: Path) -> None:
-    for stem in ("apiserver", "mvproxy", "peer"):
+    for stem in ("apiserver", "mvproxy"):
         problems = check_certificate(
             pki_dir / f"apiserver-a/{stem}.crt",
             key_file=pki_dir / f"apiserver-a/{stem}.key",

@@ -125,7 +125,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def peer_client_ctx(certs):
     good, _ = certs
-    return pki.client_context(good / "ca.crt", good / SELF / "peer.crt", good / SELF / "peer.key")
+    return pki.client_context(good / "ca.crt", good / SELF / "front-proxy-client.crt",
+                              good / SELF / "front-proxy-client.key")
 
 
 @pytest.fixture
@@ -135,8 +136,8 @@ def start(aiohttp_server, certs):
 
     async def go(fake: FakeServer, server_id: str, *, rogue_cert: bool = False) -> FakeServer:
         root = rogue if rogue_cert else good
-        ctx = pki.server_context(root / server_id / "peer.crt", root / server_id / "peer.key",
-                                 good / "ca.crt", require_client_cert=True)
+        ctx = pki.server_context(root / server_id / "mvproxy.crt", root / server_id / "mvproxy.key",
+                                 good / "front-proxy-ca.crt", require_client_cert=True)
         server = await aiohttp_server(fake.app(), ssl=ctx)
         fake.url = f"https://127.0.0.1:{server.port}"
         return fake
@@ -272,7 +273,7 @@ async def test_peer_requests_carry_peer_headers_and_client_certificate(harness):
             headers = request["headers"]
             assert headers["Accept"] == discovery.PEER_ACCEPT
             assert "profile=nopeer" in headers["Accept"]
-            assert request["cn"] == pki.PEER_CN
+            assert request["cn"] == pki.FRONT_PROXY_CLIENT_CN
             for name, value in POLL_IDENTITY.items():
                 assert headers[name] == value
     for request in h.fakes[PEER_B].requests:

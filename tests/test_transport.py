@@ -43,14 +43,15 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def server_ctx(root: Path, client_ca: Path):
-    return pki.server_context(root / "b" / "peer.crt", root / "b" / "peer.key", client_ca,
+    return pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", client_ca,
                               require_client_cert=True)
 
 
 @pytest.fixture(scope="module")
 def client_ctx(certs):
     good, _ = certs
-    return pki.client_context(good / "ca.crt", good / "a" / "peer.crt", good / "a" / "peer.key")
+    return pki.client_context(good / "ca.crt", good / "a" / "front-proxy-client.crt",
+                              good / "a" / "front-proxy-client.key")
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def serve(aiohttp_server, certs):
     good, rogue = certs
 
     async def start(app: web.Application, *, rogue_cert: bool = False) -> str:
-        ctx = server_ctx(rogue if rogue_cert else good, good / "ca.crt")
+        ctx = server_ctx(rogue if rogue_cert else good, good / "front-proxy-ca.crt")
         server = await aiohttp_server(app, ssl=ctx)
         return f"https://127.0.0.1:{server.port}"
 
@@ -113,7 +114,7 @@ async def test_fetch_over_mtls_presents_the_client_certificate(serve, transport,
     fetched = await transport.fetch(up, "/api", headers={"Accept": "application/json"},
                                     timeout=2, max_bytes=1024)
     assert fetched.status == 200 and fetched.body == b'{"ok":true}'
-    assert seen["cn"] == pki.PEER_CN
+    assert seen["cn"] == pki.FRONT_PROXY_CLIENT_CN
     # Go servers spell it "Etag": header lookups must not depend on case.
     assert fetched.headers["ETag"] == '"abc"' and fetched.headers["etag"] == '"abc"'
     assert seen["headers"]["Accept"] == "application/json"

@@ -81,7 +81,7 @@ def start_proxy(aiohttp_server: Any, root: Path, contexts: dict[str, Any]
                 ) -> Callable[[str], Awaitable[Proxy]]:
     """``await start_proxy(upstream_url, to_peer=False)``: a TLS listener tunnelling
     everything there, with the headers ``handlers`` computes for a backend or a peer."""
-    resolver = IdentityResolver(client_ca_file=str(root / "ca.crt"), peer_ca_file=None,
+    resolver = IdentityResolver(client_ca_file=str(root / "ca.crt"), peer_client_ca_file=None,
                                 peer_allowed_names=())
 
     async def start(upstream_url: str, *, to_peer: bool = False) -> Proxy:

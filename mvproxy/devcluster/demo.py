@@ -411,8 +411,11 @@ def _mvproxy_config(sid: str, ports: tuple[int, int, int],
         },
     }
     if peers:
-        doc["peer"] = {"caFile": "../pki/ca.crt", "certFile": f"{pki}/peer.crt",
-                       "keyFile": f"{pki}/peer.key"}
+        # Peers are proven by the front-proxy CA, which signs only proxies (DESIGN.md
+        # "Identity"); their serving certificates by the cluster CA.
+        doc["peer"] = {"caFile": "../pki/ca.crt", "clientCAFile": "../pki/front-proxy-ca.crt",
+                       "certFile": f"{pki}/front-proxy-client.crt",
+                       "keyFile": f"{pki}/front-proxy-client.key"}
         doc["peers"] = {"static": [{"serverID": pid, "url": f"https://{HOST}:{port}"}
                                    for pid, port in peers]}
     doc["discovery"] = {"pollInterval": poll_interval}

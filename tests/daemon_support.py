@@ -1,0 +1,197 @@
+"""The assembled daemon in process, between fake upstreams: shared by test modules.
+
+A fake backend (1.35 discovery; requires a client certificate, like a kube-apiserver)
+and a fake peer (1.36 discovery; requires a front-proxy-CA client certificate, like a
+peer's mvproxy) run as aiohttp servers on 127.0.0.1 over TLS from a development PKI.
+Both echo what they received, so a test sees where a request went and with which
+identity. Every server is an ``aiohttp_server`` fixture server (stopped at teardown);
+the daemon runs inside ``app.running``, which stops its listeners and poller on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from mvproxy import pki
+from mvproxy.app import build_daemon, running
+from mvproxy.config import load_config
+from mvproxy.devcluster.catalog import load_catalog
+from mvproxy.devcluster.discoverydocs import aggregated
+from mvproxy.devcluster.launcher import free_port
+
+WAIT = 20.0
+"""Upper bound of every wait for the poller."""
+
+SELF, PEER_ID = "apiserver-a", "apiserver-b"
+PODGROUPS = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups"  # 1.36 only
+PODGROUPS_GVR = {"group": "scheduling.k8s.io", "version": "v1alpha2", "resource": "podgroups"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("pki") / "pki"
+    pki.init_pki(directory, ["a", "b"], days=2)
+    return directory
+
+
+def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
+                routes=None) -> web.Application:
+    """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
+
+    With ``gate``, /apis answers only once the gate is set (a first poll in progress).
+    """
+    catalog = load_catalog(version)
+    documents = {"/api": json.dumps(aggregated(catalog, core=True)).encode(),
+                 "/apis": json.dumps(aggregated(catalog, core=False)).encode()}
+
+    async def discovery(request: web.Request) -> web.Response:
+        if gate is not None and request.path == "/apis":
+            await asyncio.wait_for(gate.wait(), WAIT)
+        return web.Response(body=documents[request.path], content_type="application/json")
+
+    async def echo(request: web.Request) -> web.Response:
+        cert = request.transport.get_extra_info("peercert") or {}
+        subject = dict(x[0] for x in cert.get("subject", ()))
+        return web.json_response({
+            "server": name, "path": request.raw_path, "cn": subject.get("commonName"),
+            "headers": [[k, v] for k, v in request.headers.items()]})
+
+    async def slow_create(request: web.Request) -> web.Response:
+        await asyncio.sleep(WAIT)  # longer than any request timeout a test sets
+        return web.json_response({}, status=201)
+
+    async def endless_watch(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'{"type":"ADDED","object":{}}\n')
+        await asyncio.sleep(WAIT)  # a quiet resource: no further event
+        return response
+
+    app = web.Application()
+    app.router.add_get("/api", discovery)
+    app.router.add_get("/apis", discovery)
+    app.router.add_post("/api/v1/namespaces/default/configmaps", slow_create)
+    app.router.add_get("/api/v1/configmaps", endless_watch)
+    if routes is not None:
+        routes(app)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+def header(echoed: dict, name: str) -> list[str]:
+    return [v for k, v in echoed["headers"] if k.lower() == name.lower()]
+
+
+class Cluster:
+    """Handles a test needs: URLs, the peer server (to stop it), clients."""
+
+    def __init__(self, root: Path, base: str, admin: str, peer_server, gate: asyncio.Event,
+                 sessions: dict[str, aiohttp.ClientSession]):
+        self.root, self.base, self.admin = root, base, admin
+        self.peer_server, self.gate, self.sessions = peer_server, gate, sessions
+
+    async def get(self, path: str, *, who: str = "admin", **kw):
+        async with self.sessions[who].get(self.base + path, **kw) as resp:
+            return resp.status, resp.headers.copy(), await resp.read()
+
+    async def admin_get(self, path: str) -> tuple[int, str]:
+        async with self.sessions["plain"].get(self.admin + path) as resp:
+            return resp.status, await resp.text()
+
+    async def metric(self, name: str, **labels: str) -> float | None:
+        _, text = await self.admin_get("/metrics")
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    return sample.value
+        return None
+
+    async def debug(self) -> dict:
+        _, text = await self.admin_get("/debug/mvproxy")
+        return json.loads(text)
+
+    async def until(self, predicate, what: str) -> None:
+        """Poll ``predicate`` (async) until true; fail after WAIT seconds."""
+        try:
+            async with asyncio.timeout(WAIT):
+                while not await predicate():
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            pytest.fail(f"gave up waiting for {what}")
+
+
+@contextlib.asynccontextmanager
+async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
+                  backend_routes=None, extra_peers: int = 0, **discovery: str):
+    gate = asyncio.Event()
+    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes), ssl=pki.server_context(
+        root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
+        root / "front-proxy-ca.crt", require_client_cert=True))
+    peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
+                                  root / "front-proxy-ca.crt", require_client_cert=True)
+    peer = await aiohttp_server(fake_server("peer", "1.36", gate), ssl=peer_ssl)
+    others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36"), ssl=peer_ssl)
+              for i in range(extra_peers)]
+    overrides = {
+        "serverID": SELF, "bindAddress": "127.0.0.1", "securePort": free_port(),
+        "tlsCertFile": str(root / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
+        "clientCAFile": str(root / "ca.crt"),
+        "backend.url": f"https://127.0.0.1:{backend.port}",
+        "backend.caFile": str(root / "ca.crt"),
+        "backend.certFile": str(root / "a" / "front-proxy-client.crt"),
+        "backend.keyFile": str(root / "a" / "front-proxy-client.key"),
+        "peer.caFile": str(root / "ca.crt"),
+        "peer.clientCAFile": str(root / "front-proxy-ca.crt"),
+        "peer.certFile": str(root / "a" / "front-proxy-client.crt"),
+        "peer.keyFile": str(root / "a" / "front-proxy-client.key"),
+        "peers.static": [{"serverID": PEER_ID, "url": f"https://127.0.0.1:{peer.port}"}] + [
+            {"serverID": f"{PEER_ID}-{i}", "url": f"https://127.0.0.1:{other.port}"}
+            for i, other in enumerate(others)],
+        "discovery.pollInterval": "100ms",
+        # Long enough that the gated first poll of the peer is still running when
+        # /readyz is asked; set explicitly because the default is min(5s, interval).
+        "discovery.timeout": "30s",
+        **{f"discovery.{k}": v for k, v in discovery.items()},
+        "admin.bindAddress": "127.0.0.1", "admin.port": 0,
+        "timeouts.connect": "5s", "timeouts.request": "30s",
+        "timeouts.shutdownGracePeriod": "1s",
+        **{f"timeouts.{k}": v for k, v in (timeouts or {}).items()},
+    }
+    # A seeded shuffle: which capable peer is tried first is the same on every run.
+    daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))
+    ca = root / "ca.crt"
+    sessions = {
+        "admin": aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(
+            ca, root / "admin.crt", root / "admin.key"))),
+        "bearer": aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            ssl=pki.client_context(ca))),
+        "peer": aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(
+            ca, root / "b" / "front-proxy-client.crt", root / "b" / "front-proxy-client.key"))),
+        "plain": aiohttp.ClientSession(),
+    }
+    try:
+        async with running(daemon) as (port, admin_port):
+            yield Cluster(root, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
+                          peer, gate, sessions)
+    finally:
+        gate.set()
+        for session in sessions.values():
+            await session.close()
+
+
+async def synced(c: Cluster) -> bool:
+    status, _ = await c.admin_get("/readyz")
+    return status == 200
+
+
