@@ -135,7 +135,7 @@ def _peer_states(cache: DiscoveryCache):
 def build_proxy_app(daemon: Daemon) -> web.Application:
     # Request bodies are streamed, never read whole, so aiohttp's body cap does not apply;
     # 0 disables it (kube-apiserver enforces its own limits).
-    app = web.Application(client_max_size=0)
+    app = web.Application(client_max_size=0, middlewares=[daemon.proxy.checked])
     app.router.add_route("*", "/{tail:.*}", daemon.proxy.handle)
     app.on_response_prepare.append(_no_server_banner)
     return app

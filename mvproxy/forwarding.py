@@ -22,6 +22,7 @@ from multidict import CIMultiDict
 
 from mvproxy.errors import UpstreamConnectError, UpstreamError
 from mvproxy.logs import kv
+from mvproxy.requestcheck import header_name_forwarded
 from mvproxy.identity import PEER_PROXIED, Downstream, identity_headers, is_identity_header
 from mvproxy.transport import Transport, Upstream
 
@@ -48,6 +49,8 @@ def request_headers(request: web.Request, downstream: Downstream, *,
                     to_peer: bool) -> CIMultiDict[str]:
     """Headers for the upstream: end-to-end ones, identity as ``identity`` allows.
 
+    Names with an underscore are dropped (``requestcheck.header_name_forwarded``).
+
     A peer's own identity headers pass through (it vouches for the user); anyone
     else's are dropped and replaced by what mvproxy verified itself.
     """
@@ -55,7 +58,7 @@ def request_headers(request: web.Request, downstream: Downstream, *,
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
         lowered = name.lower()
-        if lowered in dropped:
+        if lowered in dropped or not header_name_forwarded(lowered):
             continue
         if is_identity_header(lowered) and not downstream.is_peer:
             continue

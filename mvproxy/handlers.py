@@ -26,6 +26,7 @@ from mvproxy.identity import REFUSED, Downstream, IdentityResolver, is_peer_prox
 from mvproxy.kubestatus import status_response, upstream_failure
 from mvproxy.logs import V, kv
 from mvproxy.metrics import Metrics
+from mvproxy.requestcheck import check_request
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
 from mvproxy.transport import Transport, Upstream
 
@@ -59,6 +60,20 @@ class Proxy:
         for task in self._active:
             task.cancel()
         return len(self._active)
+
+    @web.middleware
+    async def checked(self, request: web.Request, handler) -> web.StreamResponse:
+        """Refuse what ``requestcheck`` refuses, before routing (aiohttp's router would
+        answer ``*`` and CONNECT targets itself)."""
+        refusal = check_request(tuple(request.version), request.raw_path,
+                                request.headers.getall("Transfer-Encoding", []))
+        if refusal is None:
+            return await handler(request)
+        log.log(V(3), "request refused", extra=kv(status=refusal.status,
+                                                  reason=refusal.message))
+        response = status_response(refusal.status, refusal.message)
+        response.force_close()
+        return response
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         task = asyncio.current_task()

@@ -30,6 +30,7 @@ from mvproxy.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from mvproxy.requestcheck import target_problem
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Transport:
             connector = aiohttp.TCPConnector(ssl=upstream.ssl_context, limit=self._limit,
                                              enable_cleanup_closed=_CLEANUP_CLOSED, **reuse)
             session = aiohttp.ClientSession(
-                base_url=upstream.url, connector=connector, auto_decompress=False,
+                connector=connector, auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
             self._sessions[upstream] = session
@@ -131,8 +132,15 @@ class Transport:
         it (``%7E`` -> ``~``, ``%2f`` -> ``%2F``), which would change what the upstream
         authorizes and audits.
         """
+        if target_problem(path_qs):
+            # Callers pass only checked targets; this keeps the URL from ever naming
+            # another host (an absolute or '//host' target replaces the base URL).
+            raise UpstreamProtocolError(upstream.name, "refusing a target that is not "
+                                                       "an origin-form path")
         session = self._session(upstream)
-        target = path_qs if isinstance(path_qs, URL) else URL(path_qs, encoded=True)
+        # Joined by hand: yarl's join with a base URL removes dot segments (RFC 3986
+        # §5.2), and '/a/../b' must reach the upstream as sent.
+        target = URL(upstream.url + path_qs, encoded=True)
         with _mapped(upstream):
             async with session.request(method, target, headers=headers, data=data,
                                        allow_redirects=False, compress=None,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import random
+import ssl
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +29,8 @@ from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
 from mvproxy.devcluster.launcher import free_port
 
+QUIET = 1.0
+"""How long ``Cluster.raw`` waits for more bytes before it takes the answer as complete."""
 WAIT = 20.0
 """Upper bound of every wait for the poller."""
 
@@ -44,11 +47,19 @@ def root(tmp_path_factory) -> Path:
 
 
 def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
-                routes=None) -> web.Application:
+                routes=None, seen: list[tuple[str, str]] | None = None) -> web.Application:
     """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
 
     With ``gate``, /apis answers only once the gate is set (a first poll in progress).
+    ``seen`` collects (method, raw target) of every request but the discovery polls.
     """
+
+    @web.middleware
+    async def record(request: web.Request, handler):
+        if seen is not None and request.path not in ("/api", "/apis"):
+            seen.append((request.method, request.raw_path))
+        return await handler(request)
+
     catalog = load_catalog(version)
     documents = {"/api": json.dumps(aggregated(catalog, core=True)).encode(),
                  "/apis": json.dumps(aggregated(catalog, core=False)).encode()}
@@ -76,7 +87,7 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
         await asyncio.sleep(WAIT)  # a quiet resource: no further event
         return response
 
-    app = web.Application()
+    app = web.Application(middlewares=[record])
     app.router.add_get("/api", discovery)
     app.router.add_get("/apis", discovery)
     app.router.add_post("/api/v1/namespaces/default/configmaps", slow_create)
@@ -95,9 +106,41 @@ class Cluster:
     """Handles a test needs: URLs, the peer server (to stop it), clients."""
 
     def __init__(self, root: Path, base: str, admin: str, peer_server, gate: asyncio.Event,
-                 sessions: dict[str, aiohttp.ClientSession]):
+                 sessions: dict[str, aiohttp.ClientSession], contexts: dict[str, ssl.SSLContext],
+                 seen: dict[str, list[tuple[str, str]]]):
         self.root, self.base, self.admin = root, base, admin
         self.peer_server, self.gate, self.sessions = peer_server, gate, sessions
+        self.contexts = contexts
+        self.seen = seen
+        """(method, raw target) each fake received, by "backend" and "peer" (no polls)."""
+        self.port = int(base.rsplit(":", 1)[1])
+
+    async def raw(self, data: bytes, *, who: str = "admin", limit: int = 1 << 20) -> bytes:
+        """Send ``data`` as is over a new TLS connection; everything read until the
+        server closes it or goes quiet for a second (bounded by WAIT and ``limit``)."""
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", self.port, ssl=self.contexts[who], server_hostname="127.0.0.1")
+        received = b""
+        try:
+            writer.write(data)
+            async with asyncio.timeout(WAIT):
+                while len(received) < limit:
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(65536), QUIET)
+                    except TimeoutError:
+                        break
+                    if not chunk:
+                        break
+                    received += chunk
+                    if _complete(received):
+                        break
+        except (ConnectionError, ssl.SSLError):
+            pass  # the server may close while we still write; what it said is kept
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        return received
 
     async def get(self, path: str, *, who: str = "admin", **kw):
         async with self.sessions[who].get(self.base + path, **kw) as resp:
@@ -134,12 +177,15 @@ class Cluster:
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
                   backend_routes=None, extra_peers: int = 0, **discovery: str):
     gate = asyncio.Event()
-    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes), ssl=pki.server_context(
+    seen: dict[str, list[tuple[str, str]]] = {"backend": [], "peer": []}
+    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
+                                               seen=seen["backend"]), ssl=pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
         root / "front-proxy-ca.crt", require_client_cert=True))
     peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
                                   root / "front-proxy-ca.crt", require_client_cert=True)
-    peer = await aiohttp_server(fake_server("peer", "1.36", gate), ssl=peer_ssl)
+    peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"]),
+                                ssl=peer_ssl)
     others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36"), ssl=peer_ssl)
               for i in range(extra_peers)]
     overrides = {
@@ -171,23 +217,46 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
     # A seeded shuffle: which capable peer is tried first is the same on every run.
     daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))
     ca = root / "ca.crt"
-    sessions = {
-        "admin": aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(
-            ca, root / "admin.crt", root / "admin.key"))),
-        "bearer": aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            ssl=pki.client_context(ca))),
-        "peer": aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(
-            ca, root / "b" / "front-proxy-client.crt", root / "b" / "front-proxy-client.key"))),
-        "plain": aiohttp.ClientSession(),
+    contexts = {
+        "admin": pki.client_context(ca, root / "admin.crt", root / "admin.key"),
+        "bearer": pki.client_context(ca),
+        "peer": pki.client_context(ca, root / "b" / "front-proxy-client.crt",
+                                   root / "b" / "front-proxy-client.key"),
     }
+    sessions = {who: aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))
+                for who, ctx in contexts.items()}
+    sessions["plain"] = aiohttp.ClientSession()
     try:
         async with running(daemon) as (port, admin_port):
             yield Cluster(root, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
-                          peer, gate, sessions)
+                          peer, gate, sessions, contexts, seen)
     finally:
         gate.set()
         for session in sessions.values():
             await session.close()
+
+
+def _complete(received: bytes) -> bool:
+    """Whether ``received`` holds one whole response with a Content-Length body."""
+    head, sep, body = received.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return len(body) >= int(value)
+    return False
+
+
+def status_of(answer: bytes) -> int:
+    """The status code of a raw HTTP/1.x answer (0 if there is none)."""
+    parts = answer.split(b"\r\n", 1)[0].split(b" ")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def body_of(answer: bytes) -> dict:
+    """The JSON body of a raw answer with a Content-Length."""
+    return json.loads(answer.partition(b"\r\n\r\n")[2])
 
 
 async def synced(c: Cluster) -> bool:

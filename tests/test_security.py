@@ -1,0 +1,157 @@
+"""What an unauthenticated client can make the daemon do: reproductions from the
+security issue, each against the assembled daemon over real TLS sockets.
+
+Requests are written byte for byte (``Cluster.raw``), because the attacks are
+requests no well-behaved client library would send. A *canary* listener on another
+loopback port stands for "any host:port": the daemon must never connect to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from daemon_support import (  # root: the module's PKI fixture
+    PODGROUPS,
+    Cluster,
+    body_of,
+    cluster,
+    root,  # noqa: F401
+    status_of,
+    synced,
+)
+
+
+class Canary:
+    """A TCP listener that counts the connections it gets (it should get none)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Canary:
+        async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            writer.close()
+
+        self.server = await asyncio.start_server(count, "127.0.0.1", 0)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def request(target: str, *, method: str = "GET", version: str = "HTTP/1.1",
+            headers: str = "", body: bytes = b"") -> bytes:
+    return (f"{method} {target} {version}\r\nHost: mvproxy\r\n{headers}\r\n").encode() + body
+
+
+async def ready(c: Cluster) -> None:
+    c.gate.set()
+    await c.until(lambda: synced(c), "the first complete sync")
+
+
+# --------------------------------------------------------------------------- open proxy
+
+OFF_ORIGIN_TARGETS = {
+    "absolute-form http": "http://127.0.0.1:{port}/debug/mvproxy",
+    "absolute-form https": "https://127.0.0.1:{port}/api/v1/namespaces",
+    "scheme-relative path": "//127.0.0.1:{port}/api/v1/namespaces",
+    "scheme-relative, no port": "//127.0.0.1/api",
+}
+
+
+@pytest.mark.parametrize("who", ["bearer", "admin"], ids=["anonymous", "cert user"])
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("shape", list(OFF_ORIGIN_TARGETS))
+async def test_a_target_naming_another_host_is_refused_and_never_dialled(
+        aiohttp_server, root, shape, method, who):
+    async with Canary() as canary, cluster(aiohttp_server, root) as c:
+        await ready(c)
+        target = OFF_ORIGIN_TARGETS[shape].format(port=canary.port)
+        body = b'{"kind":"ConfigMap"}'
+        answer = await c.raw(request(target, method=method, body=body if method == "POST" else b"",
+                                     headers=f"Content-Length: {len(body)}\r\n"
+                                     if method == "POST" else ""), who=who)
+        assert status_of(answer) == 400, answer[:300]
+        status = body_of(answer)
+        assert status["kind"] == "Status" and status["reason"] == "BadRequest"
+        assert canary.connections == 0
+        assert c.seen == {"backend": [], "peer": []}
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (request("*", method="OPTIONS"), 400),
+    (request("127.0.0.1:9443", method="CONNECT"), 400),
+    (b"GET /api/v1/namespaces\r\n\r\n", 400),
+    (request("/api/v1/namespaces", version="HTTP/2.0"), 505),
+    (request("/api/v1/namespaces", version="HTTP/1.2"), 400),
+], ids=["asterisk-form", "authority-form CONNECT", "HTTP/0.9", "HTTP/2.0 as text",
+        "unknown minor version"])
+async def test_targets_and_versions_mvproxy_does_not_speak_are_refused(aiohttp_server, root,
+                                                                        raw, expected):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(raw)
+        assert status_of(answer) == expected, answer[:300]
+        assert c.seen == {"backend": [], "peer": []}
+
+
+async def test_a_path_starting_with_two_slashes_is_400_not_a_traceback(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request("//api//v1//namespaces"))
+        assert status_of(answer) == 400
+        assert "must not start with '//'" in body_of(answer)["message"]
+        assert b"Traceback" not in answer
+
+
+@pytest.mark.parametrize("target", [
+    "/api//v1//namespaces",
+    "/api/v1/namespaces/default/../../../healthz",
+    "/api/v1/namespaces/%2e%2e/pods",
+])
+async def test_paths_are_not_normalised(aiohttp_server, root, target):
+    """``..`` and inner ``//`` reach the backend as sent; the backend decides."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request(target))
+        assert status_of(answer) == 200
+        assert body_of(answer)["path"] == target
+        assert c.seen["backend"] == [("GET", target)]
+
+
+@pytest.mark.parametrize("coding, refused_with", [
+    ("gzip, chunked", {501}),
+    # Without a final chunked the body length is unknowable: the parser may refuse first.
+    ("identity", {400, 501}), ("deflate", {400, 501}), ("chunked, chunked", {400, 501}),
+])
+async def test_transfer_codings_other_than_chunked_are_refused(aiohttp_server, root, coding,
+                                                               refused_with):
+    """Today ``gzip, chunked`` silently reached the backend without its body."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request("/api/v1/namespaces/default/configmaps", method="POST",
+                                     headers=f"Transfer-Encoding: {coding}\r\n",
+                                     body=b"3\r\nabc\r\n0\r\n\r\n"))
+        assert status_of(answer) in refused_with, answer[:300]
+        assert c.seen == {"backend": [], "peer": []}
+
+
+async def test_header_names_with_underscores_are_dropped(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for path in ("/api/v1/namespaces", PODGROUPS):  # the backend, then the peer
+            answer = await c.raw(request(path, headers="X_Remote_User: system:admin\r\n"
+                                                       "X_Remote_Group: system:masters\r\n"
+                                                       "Accept_Language: x\r\n"), who="bearer")
+            assert status_of(answer) == 200
+            names = {name.lower() for name, _ in body_of(answer)["headers"]}
+            assert not any("_" in name for name in names), names
