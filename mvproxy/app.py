@@ -86,8 +86,11 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     metrics = Metrics()
     transport = Transport(connect_timeout=cfg.timeouts.connect,
                           request_timeout=cfg.timeouts.request)
-    backend = Upstream("backend", cfg.backend.url.rstrip("/"), pki.client_context(
-        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file))
+    backend_url = cfg.backend.url.rstrip("/")
+    backend = Upstream("backend", backend_url, pki.client_context(
+        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file),
+        anonymous=Upstream("backend", backend_url, pki.client_context(cfg.backend.ca_file),
+                           presents_certificate=False))
     membership = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
     peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
                 if cfg.peers else None)

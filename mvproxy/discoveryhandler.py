@@ -82,7 +82,8 @@ class DiscoveryHandler:
                             downstream: Downstream) -> web.StreamResponse:
         headers = forwarding.request_headers(request, downstream, to_peer=False)
         try:
-            return await forwarding.forward(request, self.transport, self.backend, headers,
+            return await forwarding.forward(request, self.transport,
+                                            self.backend.for_headers(headers), headers,
                                             long_running=False)
         except ForwardError as exc:
             log.warning("backend discovery request failed", extra=kv(error=str(exc)[:300]))
@@ -98,7 +99,8 @@ class DiscoveryHandler:
         if self._probe_etags.get(probe_path):
             headers["If-None-Match"] = self._probe_etags[probe_path]
         try:
-            answer = await self.transport.fetch(self.backend, probe_path, headers=headers,
+            answer = await self.transport.fetch(self.backend.for_headers(headers), probe_path,
+                                                headers=headers,
                                                 timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:

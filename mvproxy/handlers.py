@@ -122,7 +122,8 @@ class Proxy:
                           long_running: bool) -> web.StreamResponse:
         headers = forwarding.request_headers(request, downstream, to_peer=False)
         try:
-            return await self._deliver(request, self.backend, headers, long_running)
+            return await self._deliver(request, self.backend.for_headers(headers), headers,
+                                       long_running)
         except ForwardError as exc:
             log.warning("backend request failed", extra=kv(error=str(exc)[:300]))
             return upstream_failure(exc.cause, "the backend API server", self.retry_after)
@@ -175,7 +176,8 @@ class Proxy:
         for name in ("Accept-Encoding", "If-None-Match"):  # we rewrite the body
             headers.popall(name, None)
         try:
-            answer = await self.transport.fetch(self.backend, request.raw_path, headers=headers,
+            answer = await self.transport.fetch(self.backend.for_headers(headers),
+                                                request.raw_path, headers=headers,
                                                 timeout=self.transport.request_timeout,
                                                 max_bytes=OPENAPI_INDEX_MAX_BYTES)
         except UpstreamError as exc:

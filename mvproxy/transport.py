@@ -54,6 +54,19 @@ class Upstream:
     ssl_context: ssl.SSLContext = field(compare=False, repr=False)
     """Client context: the CA that verifies the upstream and our client certificate."""
     is_peer: bool = False
+    anonymous: Upstream | None = field(default=None, compare=False, repr=False)
+    """The same server reached *without* a client certificate (the backend only): for
+    requests mvproxy asserts no identity for, so the backend's own anonymous policy
+    applies. With the front-proxy certificate and no ``X-Remote-User``, kube-apiserver
+    fails authentication outright (401) instead of treating the request as anonymous."""
+    presents_certificate: bool = True
+    """False for the ``anonymous`` twin (it also keeps the two pools apart)."""
+
+    def for_headers(self, headers: Mapping[str, str]) -> Upstream:
+        """The connection flavour for a request with these upstream headers."""
+        if self.anonymous is not None and "X-Remote-User" not in headers:
+            return self.anonymous
+        return self
 
 
 @dataclass(frozen=True)

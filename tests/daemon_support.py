@@ -181,7 +181,7 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
     backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
                                                seen=seen["backend"]), ssl=pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
-        root / "front-proxy-ca.crt", require_client_cert=True))
+        root / "front-proxy-ca.crt"))  # optional, like kube-apiserver (anonymous, tokens)
     peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
                                   root / "front-proxy-ca.crt", require_client_cert=True)
     peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"]),

@@ -330,6 +330,27 @@ def test_identity_headers_from_a_certificate_client_are_ignored(cluster: DemoClu
         assert "viewer" not in entry["user"]["groups"]
 
 
+@pytest.mark.parametrize("path", ["/healthz", "/livez", "/readyz", "/version", "/version/"])
+def test_anonymous_health_checks_answer_as_the_backend_does(cluster: DemoCluster, path) -> None:
+    """Load balancers probe :6443 without credentials; the backend's anonymous policy
+    (system:public-info-viewer) must apply through mvproxy exactly as directly. With
+    the front-proxy certificate and no X-Remote-User the backend answered 401."""
+    direct = request(cluster, OLD, "GET", path, cert=None, direct=True)
+    proxied = request(cluster, OLD, "GET", path, cert=None)
+    assert direct.status == 200, direct
+    assert (proxied.status, proxied.body) == (direct.status, direct.body)
+
+
+def test_anonymous_requests_stay_anonymous(cluster: DemoCluster) -> None:
+    """Beyond the public paths, an anonymous request is refused as anonymous, by the
+    backend, locally and through a peer hop alike."""
+    for path in ("/api/v1/namespaces", f"{PODGROUPS}/namespaces/default/podgroups"):
+        direct = request(cluster, NEW, "GET", path, cert=None, direct=True)
+        proxied = request(cluster, OLD, "GET", path, cert=None)
+        assert proxied.status == direct.status != 200, (proxied, direct)
+        assert proxied.json()["reason"] == direct.json()["reason"]
+
+
 # --------------------------------------------------------------------------- peer outages
 
 

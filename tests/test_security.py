@@ -155,3 +155,42 @@ async def test_header_names_with_underscores_are_dropped(aiohttp_server, root):
             assert status_of(answer) == 200
             names = {name.lower() for name, _ in body_of(answer)["headers"]}
             assert not any("_" in name for name in names), names
+
+
+# --------------------------------------------------------------------------- anonymous
+
+
+@pytest.mark.parametrize("who, headers, presented", [
+    ("bearer", "", None),
+    ("bearer", "Authorization: Bearer t0ken\r\n", None),
+    ("admin", "", "front-proxy-client"),
+], ids=["no credentials", "bearer token", "certificate user"])
+async def test_the_front_proxy_certificate_goes_only_with_an_asserted_identity(
+        aiohttp_server, root, who, headers, presented):
+    """Anonymous and token requests reach the backend with no client certificate, so
+    its own anonymous and token rules apply (kube-apiserver fails a front-proxy
+    certificate without X-Remote-User with 401 before trying anonymous)."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for path in ("/healthz", "/api/v1/namespaces"):
+            answer = await c.raw(request(path, headers=headers), who=who)
+            assert status_of(answer) == 200
+            echoed = body_of(answer)
+            assert echoed["server"] == "backend" and echoed["cn"] == presented
+
+
+async def test_a_peer_hop_without_an_asserted_user_stays_anonymous(aiohttp_server, root):
+    """At the peer's mvproxy: a peer-proxied request carrying no X-Remote-User (the
+    original client was anonymous or used a token) goes to the backend without the
+    front-proxy certificate too."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request(PODGROUPS, headers="x-kubernetes-peer-proxied: true\r\n"
+                                                        "Authorization: Bearer t0ken\r\n"),
+                             who="peer")
+        echoed = body_of(answer)
+        assert echoed["server"] == "backend" and echoed["cn"] is None
+        answer = await c.raw(request(PODGROUPS, headers="x-kubernetes-peer-proxied: true\r\n"
+                                                        "X-Remote-User: alice\r\n"), who="peer")
+        echoed = body_of(answer)
+        assert echoed["server"] == "backend" and echoed["cn"] == "front-proxy-client"
