@@ -9,8 +9,15 @@ loopback port stands for "any host:port": the daemon must never connect to it.
 from __future__ import annotations
 
 import asyncio
+import ssl
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from daemon_support import (  # root: the module's PKI fixture
     PODGROUPS,
     Cluster,
@@ -20,6 +27,8 @@ from daemon_support import (  # root: the module's PKI fixture
     status_of,
     synced,
 )
+
+from mvproxy import pki
 
 
 class Canary:
@@ -194,3 +203,65 @@ async def test_a_peer_hop_without_an_asserted_user_stays_anonymous(aiohttp_serve
                                                         "X-Remote-User: alice\r\n"), who="peer")
         echoed = body_of(answer)
         assert echoed["server"] == "backend" and echoed["cn"] == "front-proxy-client"
+
+
+# --------------------------------------------------------------------------- peer trust
+
+
+def client_cert_context(root: Path, directory: Path, *cns: str, ca: str = "ca",
+                        orgs: tuple[str, ...] = ()) -> ssl.SSLContext:
+    """A TLS client context presenting a new certificate from ``root``'s CA ``ca``
+    with the given CNs in order (what the CSR API or a careless CA could issue)."""
+    ca_cert = x509.load_pem_x509_certificate((root / f"{ca}.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((root / f"{ca}.key").read_bytes(),
+                                                password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns]
+                        + [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs])
+    now = datetime.now(timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))
+    cert_file, key_file = directory / "client.crt", directory / "client.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return pki.client_context(root / "ca.crt", cert_file, key_file)
+
+
+CLAIMS = ("x-kubernetes-peer-proxied: true\r\nX-Remote-User: system:admin\r\n"
+          "X-Remote-Group: system:masters\r\n")
+
+
+async def test_a_user_certificate_named_like_a_peer_cannot_claim_users(aiohttp_server, root,
+                                                                        tmp_path):
+    """The cluster CA signs users; one named front-proxy-client (the CSR API can issue
+    it) is that user, not a peer: its X-Remote-* claims are replaced, not believed."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        c.contexts["csr"] = client_cert_context(root, tmp_path, pki.FRONT_PROXY_CLIENT_CN)
+        answer = await c.raw(request(PODGROUPS, headers=CLAIMS), who="csr")
+        echoed = body_of(answer)
+        assert echoed["server"] == "peer"  # routed as a user's request, not kept local
+        claimed = {(k.lower(), v) for k, v in echoed["headers"]}
+        assert ("x-remote-user", pki.FRONT_PROXY_CLIENT_CN) in claimed
+        assert ("x-remote-user", "system:admin") not in claimed
+        assert ("x-remote-group", "system:masters") not in claimed
+
+
+@pytest.mark.parametrize("ca, cns", [
+    ("front-proxy-ca", ("front-proxy-client", "alice")),
+    ("front-proxy-ca", ("alice", "front-proxy-client")),
+    ("ca", ("alice", "kubernetes-admin")),
+], ids=["peer name first", "peer name last", "user certificate"])
+async def test_a_certificate_with_several_common_names_gets_401(aiohttp_server, root, tmp_path,
+                                                                ca, cns):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        c.contexts["odd"] = client_cert_context(root, tmp_path, *cns, ca=ca)
+        answer = await c.raw(request("/api/v1/namespaces", headers=CLAIMS), who="odd")
+        assert status_of(answer) == 401, answer[:300]
+        assert "more than one common name" in body_of(answer)["message"]
+        assert c.seen == {"backend": [], "peer": []}
