@@ -1,8 +1,9 @@
 """Assembly and lifecycle: a completed ``Config`` becomes two running listeners.
 
 ``build_daemon`` *completes* the configuration (SSL contexts, upstreams, cache,
-poller, handlers); ``serve`` runs the main listener, the admin listener and the
-poller until SIGTERM/SIGINT, then drains in-flight requests for at most
+poller, handlers); ``serve`` runs the main listener (``listener``, the data plane),
+the admin listener (aiohttp: not on the request path) and the poller until
+SIGTERM/SIGINT, then drains in-flight requests for at most
 ``timeouts.shutdownGracePeriod`` and returns. Nothing here re-reads YAML.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import math
 import random
+import resource
 import signal
 import ssl
 import time
@@ -28,7 +30,8 @@ from mvproxy.config import Config
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UsageError
 from mvproxy.handlers import Proxy
-from mvproxy.identity import IdentityResolver
+from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
+from mvproxy.listener import Limits, Listener
 from mvproxy.logs import kv
 from mvproxy.membership import Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
@@ -51,6 +54,8 @@ class Daemon:
     """Discovery polls get their own pools: a flood of watches must not starve them."""
     poller: Poller
     proxy: Proxy
+    identity: IdentityResolver
+    limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
 
@@ -100,11 +105,24 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     metrics.watch_peers(lambda: _peer_states(cache))
     metrics.watch_certificates(_certificates(cfg))
     poll_transport = Transport(connect_timeout=cfg.timeouts.connect,
-                               request_timeout=cfg.timeouts.request)
+                               request_timeout=cfg.timeouts.request, max_idle_per_upstream=2)
+
+    def stopped_answering(server_id: str, unreachable: bool) -> None:
+        if server_id == cfg.server_id:
+            return  # the backend: its requests fail on their own, nothing to fail over to
+        if unreachable:
+            aborted = transport.reset(server_id)
+            if aborted:
+                log.warning("ended the requests in progress through an unreachable peer; "
+                            "their clients retry elsewhere", extra=kv(peer=server_id,
+                                                                      ended=aborted))
+        else:
+            transport.drop_idle(server_id)
+
     poller = Poller(cache=cache, transport=poll_transport, backend=backend, peers=peers,
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
-                    metrics=metrics)
+                    metrics=metrics, on_failure=stopped_answering)
     retry_after = max(1, math.ceil(cfg.discovery.poll_interval))
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
@@ -114,10 +132,32 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                                 peer_client_ca_file=cfg.peer.client_ca_file,
                                 peer_allowed_names=cfg.peer.allowed_names)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
-                  peers=peers, identity=identity, metrics=metrics, discovery=discovery,
+                  peers=peers, metrics=metrics, discovery=discovery,
                   rng=rng or random.Random(), retry_after=retry_after)
+    limits = Limits(header_read_timeout=cfg.listener.header_read_timeout,
+                    idle_timeout=cfg.listener.idle_timeout,
+                    max_header_bytes=cfg.listener.max_header_bytes,
+                    max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, asyncio.Event())
+                  poller, proxy, identity, limits, asyncio.Event())
+
+
+FD_RESERVE = 128
+"""Descriptors kept for discovery polls, the admin listener, logs and certificate files."""
+
+
+def _derived_max_connections() -> int:
+    """Half the open-file limit less a reserve: each downstream connection may hold an
+    upstream one. The soft limit is raised to the hard one first, as Go programs
+    (kube-apiserver among them) do at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - FD_RESERVE) // 2)
 
 
 def _certificates(cfg: Config) -> dict[str, str]:
@@ -135,45 +175,35 @@ def _peer_states(cache: DiscoveryCache):
         yield peer_id, bool(state and state.reachable), age
 
 
-def build_proxy_app(daemon: Daemon) -> web.Application:
-    # Request bodies are streamed, never read whole, so aiohttp's body cap does not apply;
-    # 0 disables it (kube-apiserver enforces its own limits).
-    app = web.Application(client_max_size=0, middlewares=[daemon.proxy.checked])
-    app.router.add_route("*", "/{tail:.*}", daemon.proxy.handle)
-    app.on_response_prepare.append(_no_server_banner)
-    return app
-
-
-async def _no_server_banner(request: web.Request, response: web.StreamResponse) -> None:
-    """kube-apiserver sends no Server header; mvproxy does not advertise its stack either."""
-    response.headers.popall("Server", None)
-
-
 @contextlib.asynccontextmanager
 async def running(daemon: Daemon):
     """Listeners and the poller up; yields (proxy port, admin port); stops everything."""
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
-    # handler_cancellation: a downstream that goes away cancels its handler, which
-    # closes the upstream request; otherwise a watch whose client left stays open
-    # upstream (and on every peer hop) until the next event arrives to fail the write.
-    # The drain below does the graceful waiting; aiohttp's own shutdown only has to
-    # close what is left (its timeout applies twice, and 0 would mean "forever").
-    main = web.AppRunner(build_proxy_app(daemon), access_log=None,
-                         shutdown_timeout=_AIOHTTP_SHUTDOWN, handle_signals=False,
-                         handler_cancellation=True)
+    listener = Listener(handler=daemon.proxy.handle, limits=daemon.limits,
+                        ssl_context=daemon.listener_ssl,
+                        resolve_identity=daemon.identity.resolve,
+                        anonymous=ANONYMOUS_DOWNSTREAM,
+                        on_refused=lambda code: daemon.metrics.refused_requests.labels(
+                            str(code)).inc())
+    daemon.metrics.watch_connections(lambda: listener.open_connections)
     admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining),
                           access_log=None, handle_signals=False,
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:
-        ports = (await _start(main, cfg.bind_address, cfg.secure_port, daemon.listener_ssl),
-                 await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
+        try:
+            port = listener.start(cfg.bind_address, cfg.secure_port)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {cfg.bind_address}:{cfg.secure_port}: "
+                             f"{exc.strerror or exc}") from None
+        ports = (port, await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
         log.info("serving", extra=kv(server_id=cfg.server_id, port=ports[0], admin_port=ports[1],
-                                     peers=len(cfg.peers)))
+                                     peers=len(cfg.peers),
+                                     max_connections=daemon.limits.max_connections))
         yield ports
     finally:
-        await _drain(daemon, main)
-        await main.cleanup()
+        await _drain(daemon, listener)
+        await listener.close()
         await admin.cleanup()
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
@@ -185,23 +215,25 @@ _AIOHTTP_SHUTDOWN = 0.5
 _DRAIN_CHECK = 0.05
 
 
-async def _drain(daemon: Daemon, main: web.AppRunner) -> None:
+async def _drain(daemon: Daemon, listener: Listener) -> None:
     """Stop accepting, let in-flight requests finish within the grace period, then end
     the rest (watches, exec sessions), so SIGTERM exits within shutdownGracePeriod."""
     grace = daemon.config.timeouts.shutdown_grace_period
     daemon.draining.set()
-    for site in list(main.sites):
-        await site.stop()
+    listener.stop_accepting()
+    listener.close_idle()
     log.info("shutting down; draining in-flight requests",
              extra=kv(in_flight=daemon.proxy.in_flight(), grace_seconds=grace))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
     while daemon.proxy.in_flight() and loop.time() < deadline:
         await asyncio.sleep(min(_DRAIN_CHECK, max(0.0, deadline - loop.time())))
+        listener.close_idle()
     cancelled = daemon.proxy.cancel_in_flight()
     if cancelled:
         log.info("grace period over; ended the requests still open",
                  extra=kv(ended=cancelled))
+        await asyncio.sleep(0)
 
 
 async def _start(runner: web.AppRunner, host: str, port: int,

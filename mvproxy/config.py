@@ -458,6 +458,25 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ListenerConfig:
+    """Resource limits of the downstream listener (YAML ``listener``). The defaults are
+    kube-apiserver's own (``secure_serving.go``), so clients see the same limits."""
+
+    header_read_timeout: float = _key("headerReadTimeout", _duration(), default=32.0)
+    """Seconds for the TLS handshake, and for a request head once its first byte arrived
+    (32s). Slow or silent clients are closed instead of holding a connection."""
+    idle_timeout: float = _key("idleTimeout", _duration(), default=90.0)
+    """Seconds a keep-alive connection may wait for its next request (90s)."""
+    max_header_bytes: int = _key("maxHeaderBytes", _integer(1024, 64 * 1024 * 1024), default=1 << 20)
+    """Largest request line plus header fields, in bytes (1048576 = 1 MiB); larger gets 431."""
+    max_connections: int = _key("maxConnections", _integer(0), default=0)
+    """Downstream connections open at once (0: derived from the open-file limit, half of
+    it less a reserve, since each connection may hold one upstream connection too). At
+    the limit new clients wait in the kernel's backlog, and descriptors stay free for
+    discovery polls."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """Everything ``mvproxy run`` needs, validated; built only by ``load_config`` (or tests)."""
 
@@ -490,6 +509,8 @@ class Config:
     """Log format and verbosity."""
     timeouts: TimeoutsConfig = _key("timeouts", _Section(TimeoutsConfig), default_factory=TimeoutsConfig)
     """Upstream connect/request timeouts and the shutdown grace period."""
+    listener: ListenerConfig = _key("listener", _Section(ListenerConfig), default_factory=ListenerConfig)
+    """Limits of the downstream listener: header and idle timeouts, sizes, connections."""
 
 
 # ---------------------------------------------------------------------------

@@ -20,20 +20,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
 from mvproxy import discovery, forwarding
 from mvproxy.cache import CacheView, DiscoveryCache
 from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
-from mvproxy.identity import Downstream
-from mvproxy.kubestatus import status_response, upstream_failure
+from mvproxy.kubestatus import status_reply, upstream_failure
+from mvproxy.listener import Exchange
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class DiscoveryHandler:
@@ -46,73 +45,77 @@ class DiscoveryHandler:
     retry_after: int
     _probe_etags: dict[str, str] = field(default_factory=dict)
 
-    async def handle(self, request: web.Request, downstream: Downstream,
-                     info: RequestInfo) -> web.StreamResponse:
-        negotiated = discovery.negotiate(request.headers.get("Accept"))
+    async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
+        headers = exchange.headers
+        negotiated = discovery.negotiate(headers.get("Accept"))
         if negotiated.nopeer:
             self.metrics.nopeer_requests.inc()
-        if downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
-            return await self._from_backend(request, downstream)
+        if exchange.downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
+            await self._from_backend(exchange)
+            return
         if negotiated.kind == "not_acceptable":
-            return status_response(406, "only aggregated (apidiscovery.k8s.io v2, v2beta1) "
-                                        "and legacy JSON discovery are served here")
+            answer = status_reply(406, "only aggregated (apidiscovery.k8s.io v2, v2beta1) "
+                                       "and legacy JSON discovery are served here")
+            exchange.respond(answer.status, answer.fields, answer.body)
+            return
         view = self.cache.view()
         if not view.synced or view.merged() is None:
             # Until every server has been polled once, a merge would silently omit
             # peer-only APIs; the backend's own answer is honest about what it knows.
-            return await self._from_backend(request, downstream)
-        denied = await self._authorize(request, downstream, info.path)
-        if denied is not None:
-            return denied
-        return self._merged(request, view, negotiated, core=_is_core(info.path))
+            await self._from_backend(exchange)
+            return
+        if await self._authorize(exchange, info.path):
+            self._merged(exchange, view, negotiated, core=_is_core(info.path))
 
-    def _merged(self, request: web.Request, view: CacheView,
-                negotiated: discovery.Negotiated, *, core: bool) -> web.Response:
+    def _merged(self, exchange: Exchange, view: CacheView,
+                negotiated: discovery.Negotiated, *, core: bool) -> None:
         key = ("api" if core else "apis", negotiated.kind, negotiated.api_version or "")
         document, cached = view.document(key, lambda: _render(view, negotiated, core))
         (self.metrics.aggregated_cache_hits if cached
          else self.metrics.aggregated_cache_misses).inc()
-        headers = {"ETag": document.etag, "Vary": "Accept", "Cache-Control": "public"}
-        if request.headers.get("If-None-Match") == document.etag:
-            return web.Response(status=304, headers=headers)
-        headers["Content-Type"] = negotiated.content_type
-        return web.Response(body=document.body, headers=headers)
+        fields = [("ETag", document.etag), ("Vary", "Accept"), ("Cache-Control", "public")]
+        if exchange.headers.get("If-None-Match") == document.etag:
+            exchange.respond(304, fields)
+            return
+        fields.append(("Content-Type", negotiated.content_type))
+        exchange.respond(200, fields, document.body)
 
-    async def _from_backend(self, request: web.Request,
-                            downstream: Downstream) -> web.StreamResponse:
-        headers = forwarding.request_headers(request, downstream, to_peer=False)
+    async def _from_backend(self, exchange: Exchange) -> None:
+        headers = forwarding.request_headers(exchange.fields, exchange.downstream, to_peer=False)
         try:
-            return await forwarding.forward(request, self.transport,
-                                            self.backend.for_headers(headers), headers,
-                                            long_running=False)
+            await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
+                                     headers, long_running=False)
         except ForwardError as exc:
             log.warning("backend discovery request failed", extra=kv(error=str(exc)[:300]))
-            return upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            exchange.respond(answer.status, answer.fields, answer.body)
 
-    async def _authorize(self, request: web.Request, downstream: Downstream,
-                         path: str) -> web.Response | None:
-        """None if the backend answers this downstream's discovery; else its refusal."""
+    async def _authorize(self, exchange: Exchange, path: str) -> bool:
+        """True if the backend answers this downstream's discovery; else its refusal
+        has been relayed."""
         probe_path = "/api" if _is_core(path) else "/apis"
-        headers = forwarding.request_headers(request, downstream, to_peer=False)
+        headers = forwarding.request_headers(exchange.fields, exchange.downstream,
+                                             to_peer=False)
         headers["Accept"] = discovery.PEER_ACCEPT
         headers.popall("If-None-Match", None)
         if self._probe_etags.get(probe_path):
             headers["If-None-Match"] = self._probe_etags[probe_path]
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), probe_path,
-                                                headers=headers,
-                                                timeout=self.probe_timeout,
+                                                headers=headers, timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
             log.warning("backend discovery probe failed", extra=kv(error=str(exc)[:300]))
-            return upstream_failure(exc, "the backend API server", self.retry_after)
+            failure = upstream_failure(exc, "the backend API server", self.retry_after)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return False
         if answer.status == 200 and answer.headers.get("ETag"):
             self._probe_etags[probe_path] = answer.headers["ETag"]
         if answer.status in (200, 304):
-            return None
+            return True
         content_type = answer.headers.get("Content-Type", "application/json")
-        return web.Response(status=answer.status, body=answer.body,
-                            headers={"Content-Type": content_type})
+        exchange.respond(answer.status, [("Content-Type", content_type)], answer.body)
+        return False
 
 
 def _is_core(path: str) -> bool:

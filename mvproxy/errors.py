@@ -78,3 +78,8 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """The upstream answered with something unusable (bad HTTP, oversized body)."""
+
+
+class UpstreamUnserved(UpstreamError):
+    """A peer mvproxy answered that nothing reached *its* backend (its 503 carries the
+    ``UNSERVED`` marker), so the request may go to another capable peer."""

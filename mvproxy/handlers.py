@@ -1,9 +1,10 @@
-"""The aiohttp surface of the main listener: one catch-all handler.
+"""The request path of the main listener: one handler for every request.
 
-For each request: who is the downstream (``identity``), what is it (``requestinfo``),
-where does it go (``routing``, reading one cache view), then move the bytes
-(``forwarding``) or answer discovery from the cache (``discoveryhandler``). Errors
-become Kubernetes ``Status`` responses here and only here.
+For each ``Exchange``: who the downstream is (computed once per connection by the
+listener), what the request is (``requestinfo``), where it goes (``routing``,
+reading one cache view), then move the bytes (``forwarding``) or answer from the
+cache (``discoveryhandler``). Failures to reach an upstream become Kubernetes
+``Status`` answers here; anything unexpected becomes one in the listener.
 """
 
 from __future__ import annotations
@@ -15,18 +16,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
-from mvproxy import forwarding, openapi, routing, tunnel
+from mvproxy import forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
-from mvproxy.identity import REFUSED, Downstream, IdentityResolver, is_peer_proxied
-from mvproxy.kubestatus import status_response, upstream_failure
+from mvproxy.identity import REFUSED, Downstream, is_peer_proxied
+from mvproxy.kubestatus import Reply, status_reply, upstream_failure
+from mvproxy.listener import Exchange
 from mvproxy.logs import V, kv
 from mvproxy.metrics import Metrics
-from mvproxy.requestcheck import check_request
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
 from mvproxy.transport import Transport, Upstream
 
@@ -34,6 +33,11 @@ log = logging.getLogger(__name__)
 
 OPENAPI_INDEX_MAX_BYTES = 4 * 1024 * 1024
 """The index lists one short entry per group/version: megabytes would be garbage."""
+
+
+def reply(exchange: Exchange, answer: Reply) -> None:
+    exchange.respond(answer.status, answer.fields, answer.body)
+
 
 @dataclass
 class Proxy:
@@ -44,7 +48,6 @@ class Proxy:
     transport: Transport
     backend: Upstream
     peers: Callable[[], Mapping[str, Upstream]]
-    identity: IdentityResolver
     metrics: Metrics
     discovery: DiscoveryHandler
     rng: random.Random
@@ -61,89 +64,90 @@ class Proxy:
             task.cancel()
         return len(self._active)
 
-    @web.middleware
-    async def checked(self, request: web.Request, handler) -> web.StreamResponse:
-        """Refuse what ``requestcheck`` refuses, before routing (aiohttp's router would
-        answer ``*`` and CONNECT targets itself)."""
-        refusal = check_request(tuple(request.version), request.raw_path,
-                                request.headers.getall("Transfer-Encoding", []))
-        if refusal is None:
-            return await handler(request)
-        log.log(V(3), "request refused", extra=kv(status=refusal.status,
-                                                  reason=refusal.message))
-        response = status_response(refusal.status, refusal.message)
-        response.force_close()
-        return response
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, exchange: Exchange) -> None:
         task = asyncio.current_task()
+        assert task is not None
         self._active.add(task)
         try:
-            return await self._handle(request)
+            await self._handle(exchange)
         finally:
             self._active.discard(task)
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        downstream = self.identity.resolve(_client_certificate(request))
+    async def _handle(self, exchange: Exchange) -> None:
+        downstream = exchange.downstream
         if downstream.kind == REFUSED:
-            return status_response(401, downstream.reason)
-        info = parse_request_info(request.method, request.path, request.query_string)
+            reply(exchange, status_reply(401, downstream.reason))
+            return
+        info = parse_request_info(exchange.method, exchange.path, exchange.query)
+        headers = exchange.headers
         decision = routing.decide(info, self.cache.view(),
-                                  peer_proxied=is_peer_proxied(downstream, request.headers),
+                                  peer_proxied=is_peer_proxied(downstream, headers),
                                   rng=self.rng)
-        log.log(V(4), "routed", extra=kv(method=request.method, route=decision.route,
-                                         reason=decision.reason, peers=",".join(decision.peers)))
+        if log.isEnabledFor(V(4)):
+            log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
+                                             reason=decision.reason,
+                                             peers=",".join(decision.peers)))
         route = decision.route
         started = time.perf_counter()
         self.metrics.inflight_requests.labels(route).inc()
         try:
             if route == routing.DISCOVERY:
-                return await self.discovery.handle(request, downstream, info)
-            if route == routing.OPENAPI_INDEX:
-                return await self._openapi_index(request, downstream)
-            if route == routing.UNAVAILABLE:
-                return self._unavailable(info, decision)
-            long_running = is_long_running(info, request.query_string)
-            if long_running:
-                self.metrics.open_watches.inc()
-            try:
-                if route == routing.PEER:
-                    return await self._to_peers(request, downstream, info, decision.peers,
-                                                long_running)
-                return await self._to_backend(request, downstream, long_running)
-            finally:
-                if long_running:
-                    self.metrics.open_watches.dec()
+                await self.discovery.handle(exchange, info)
+            elif route == routing.OPENAPI_INDEX:
+                await self._openapi_index(exchange, downstream)
+            elif route == routing.UNAVAILABLE:
+                reply(exchange, self._unavailable(info, decision))
+            else:
+                await self._forward(exchange, downstream, info, decision, route)
         finally:
             self.metrics.inflight_requests.labels(route).dec()
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
 
-    async def _to_backend(self, request: web.Request, downstream: Downstream,
-                          long_running: bool) -> web.StreamResponse:
-        headers = forwarding.request_headers(request, downstream, to_peer=False)
+    async def _forward(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
+                       decision: routing.Decision, route: str) -> None:
+        long_running = exchange.upgrade or is_long_running(info, exchange.query)
+        if long_running:
+            self.metrics.open_watches.inc()
         try:
-            return await self._deliver(request, self.backend.for_headers(headers), headers,
-                                       long_running)
+            if route == routing.PEER:
+                await self._to_peers(exchange, downstream, info, decision.peers, long_running)
+            else:
+                await self._to_backend(exchange, downstream, long_running)
+        finally:
+            if long_running:
+                self.metrics.open_watches.dec()
+
+    async def _to_backend(self, exchange: Exchange, downstream: Downstream,
+                          long_running: bool) -> None:
+        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=False)
+        try:
+            await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
+                                     headers, long_running=long_running)
         except ForwardError as exc:
             log.warning("backend request failed", extra=kv(error=str(exc)[:300]))
-            return upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            if downstream.is_peer and answer.status == 503:
+                # Nothing reached the backend: the peer that sent this may try another.
+                answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
+            reply(exchange, answer)
 
-    async def _to_peers(self, request: web.Request, downstream: Downstream, info: RequestInfo,
-                        candidates: tuple[str, ...], long_running: bool) -> web.StreamResponse:
+    async def _to_peers(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
+                        candidates: tuple[str, ...], long_running: bool) -> None:
         """Try capable peers in order; move on only when nothing may have reached one."""
         upstreams = self.peers()
         gvr = _gvr_labels(info)
         last: ForwardError | None = None
         # One Audit-ID for every attempt: the peers' audit logs show one request.
-        headers = forwarding.request_headers(request, downstream, to_peer=True)
-        for index, peer_id in enumerate(candidates):
+        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=True)
+        for peer_id in candidates:
             upstream = upstreams.get(peer_id)
             if upstream is None:
                 continue
-            if index and last is not None:
+            if last is not None:
                 self.metrics.peer_failovers.inc()
             try:
-                response = await self._deliver(request, upstream, headers, long_running)
+                await forwarding.forward(exchange, self.transport, upstream, headers,
+                                         long_running=long_running)
             except ForwardError as exc:
                 last = exc
                 log.warning("peer request failed", extra=kv(peer=peer_id, error=str(exc)[:300],
@@ -151,49 +155,42 @@ class Proxy:
                 if not exc.retryable:
                     break
                 continue
-            self.metrics.rerouted_requests.labels(str(response.status), *gvr).inc()
-            return response
+            self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
+            return
         if last is None:  # membership dropped every candidate since the decision
-            return self._unavailable(info, routing.Decision(routing.UNAVAILABLE, "", candidates))
-        self.metrics.rerouted_requests.labels("503", *gvr).inc()
+            reply(exchange, self._unavailable(info, routing.Decision(
+                routing.UNAVAILABLE, "", candidates)))
+            return
+        answer = upstream_failure(last.cause, "every capable peer", self.retry_after)
+        self.metrics.rerouted_requests.labels(str(answer.status), *gvr).inc()
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        return upstream_failure(last.cause, "every capable peer", self.retry_after)
+        reply(exchange, answer)
 
-    async def _deliver(self, request: web.Request, upstream: Upstream, headers,
-                       long_running: bool) -> web.StreamResponse:
-        """Tunnel an upgrade or stream a plain request; ForwardError if nothing arrived."""
-        if tunnel.is_upgrade(request):
-            return await tunnel.forward_upgrade(
-                request, upstream, headers, connect_timeout=self.transport.connect_timeout,
-                response_timeout=self.transport.request_timeout)
-        return await forwarding.forward(request, self.transport, upstream, headers,
-                                        long_running=long_running)
-
-    async def _openapi_index(self, request: web.Request,
-                             downstream: Downstream) -> web.StreamResponse:
+    async def _openapi_index(self, exchange: Exchange, downstream: Downstream) -> None:
         """The backend's OpenAPI v3 index, with entries for peer-only group/versions."""
-        headers = forwarding.request_headers(request, downstream, to_peer=False)
+        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=False)
         for name in ("Accept-Encoding", "If-None-Match"):  # we rewrite the body
             headers.popall(name, None)
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers),
-                                                request.raw_path, headers=headers,
+                                                exchange.target, headers=headers,
                                                 timeout=self.transport.request_timeout,
                                                 max_bytes=OPENAPI_INDEX_MAX_BYTES)
         except UpstreamError as exc:
             log.warning("backend openapi index request failed", extra=kv(error=str(exc)[:300]))
-            return upstream_failure(exc, "the backend API server", self.retry_after)
+            reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after))
+            return
         body = answer.body
         if answer.status == 200:
             body = openapi.merge_index(answer.body, self.cache.view()) or answer.body
-        return web.Response(status=answer.status, body=body, headers={
-            "Content-Type": answer.headers.get("Content-Type", "application/json")})
+        exchange.respond(answer.status, [
+            ("Content-Type", answer.headers.get("Content-Type", "application/json"))], body)
 
-    def _unavailable(self, info: RequestInfo, decision: routing.Decision) -> web.Response:
+    def _unavailable(self, info: RequestInfo, decision: routing.Decision) -> Reply:
         gvr = _gvr_labels(info)
         self.metrics.peer_proxy_errors.labels("endpoint_resolution", *gvr).inc()
         what = "/".join(p for p in gvr if p)
-        return status_response(
+        return status_reply(
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
             headers={"Retry-After": str(self.retry_after)})
@@ -205,9 +202,3 @@ def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
         return info.api_group, info.api_version, info.resource
     group, version = routing.group_version_path(info) or ("", "")
     return group, version, ""
-
-
-def _client_certificate(request: web.Request) -> bytes | None:
-    transport = request.transport
-    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-    return ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None

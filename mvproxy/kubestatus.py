@@ -2,17 +2,22 @@
 
 kubectl and client-go parse these to print "Error from server (NotFound): ...";
 both the daemon (503 when no capable peer is reachable, 406, 502) and the simulated
-API server answer errors through here.
+API server answer errors through here. Pure: answers are bytes and ``Reply`` values,
+which the listener (or the simulator's aiohttp surface) writes.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnserved,
+)
 
 REASONS = {
     400: "BadRequest",
@@ -24,9 +29,13 @@ REASONS = {
     409: "AlreadyExists",
     410: "Expired",
     415: "UnsupportedMediaType",
+    408: "Timeout",
     422: "Invalid",
+    431: "RequestHeaderFieldsTooLarge",
     500: "InternalError",
+    501: "NotImplemented",
     503: "ServiceUnavailable",
+    505: "HTTPVersionNotSupported",
 }
 
 
@@ -47,25 +56,34 @@ def status_body(code: int, message: str, *, reason: str | None = None,
     return body
 
 
-def status_response(code: int, message: str, *, reason: str | None = None,
-                    details: dict[str, Any] | None = None,
-                    headers: dict[str, str] | None = None) -> web.Response:
-    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
-    body = status_body(code, message, reason=reason, details=details)
-    return json_response(code, body, headers)
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole answer mvproxy composes itself: status, header fields, body."""
+
+    status: int
+    fields: list[tuple[str, str]]
+    body: bytes = b""
 
 
-def json_response(code: int, body: dict[str, Any], headers: dict[str, str] | None = None
-          ) -> web.Response:
-    # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
-    return web.Response(status=code, body=json.dumps(body).encode(),
-                        headers={**(headers or {}), "Content-Type": "application/json"})
+def status_bytes(code: int, message: str, *, reason: str | None = None,
+                 details: dict[str, Any] | None = None) -> bytes:
+    return json.dumps(status_body(code, message, reason=reason, details=details)).encode()
 
 
-def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> web.Response:
+def status_reply(code: int, message: str, *, reason: str | None = None,
+                 details: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> Reply:
+    """A ``Status`` answer with the matching HTTP code, labelled exactly
+    ``application/json`` as kube labels errors (no charset)."""
+    fields = [*(headers or {}).items(), ("Content-Type", "application/json")]
+    return Reply(code, fields, status_bytes(code, message, reason=reason, details=details))
+
+
+def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> Reply:
     """The answer when an upstream gave none, chosen by whether retrying is safe.
 
-    - nothing was sent (connect failure): 503 ServiceUnavailable with Retry-After;
+    - nothing was sent (connect failure), or a peer said nothing reached its backend:
+      503 ServiceUnavailable with Retry-After;
     - sent, no answer in time: 504 Timeout, without Retry-After: client-go retries any
       response that carries one, even a POST that may already have been applied;
     - sent, answer unusable: 502, without Retry-After, for the same reason.
@@ -74,8 +92,11 @@ def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> web.Re
     the log, not in a body any client can read.
     """
     if isinstance(cause, UpstreamConnectError):
-        return status_response(503, f"error trying to reach {who}: cannot connect",
-                               headers={"Retry-After": str(retry_after)})
+        return status_reply(503, f"error trying to reach {who}: cannot connect",
+                            headers={"Retry-After": str(retry_after)})
+    if isinstance(cause, UpstreamUnserved):
+        return status_reply(503, f"{who} could not reach its API server",
+                            headers={"Retry-After": str(retry_after)})
     if isinstance(cause, UpstreamTimeout):
-        return status_response(504, f"{who} did not answer in time", reason="Timeout")
-    return status_response(502, f"{who} sent a broken response", reason="InternalError")
+        return status_reply(504, f"{who} did not answer in time", reason="Timeout")
+    return status_reply(502, f"{who} sent a broken response", reason="InternalError")

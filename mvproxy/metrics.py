@@ -73,6 +73,17 @@ class Metrics:
         self.open_watches = Gauge(
             "mvproxy_open_watches", "Watch and other long-running streams open now.",
             registry=r)
+        self.refused_requests = Counter(
+            "mvproxy_refused_requests_total",
+            "Requests refused before routing (malformed, not origin-form, too large, too "
+            "slow), by the status code sent.", ("code",), registry=r)
+        self.open_connections = Gauge(
+            "mvproxy_open_connections", "Downstream connections open now (including TLS "
+            "handshakes in progress).", registry=r)
+
+    def watch_connections(self, count: Callable[[], int]) -> None:
+        """Read ``mvproxy_open_connections`` from the listener at scrape time."""
+        self.open_connections.set_function(count)
 
     def watch_peers(self, peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
         """Export ``mvproxy_peer_up`` and ``mvproxy_peer_discovery_age_seconds``.

@@ -72,8 +72,12 @@ class Poller:
 
     def __init__(self, *, cache: DiscoveryCache, transport: Transport, backend: Upstream,
                  peers: Callable[[], Mapping[str, Upstream]], settings: PollSettings,
-                 metrics: Metrics, rng: random.Random | None = None):
+                 metrics: Metrics, rng: random.Random | None = None,
+                 on_failure: Callable[[str, bool], None] | None = None):
         self.cache = cache
+        self._on_failure = on_failure
+        """Told (server ID, whether it just became unreachable) after every failed poll,
+        so the request path stops reusing connections to a server that stopped answering."""
         self.transport = transport
         self.settings = settings
         self.metrics = metrics
@@ -207,9 +211,12 @@ class Poller:
             log.warning("discovery poll failed", extra=kv(
                 server=server_id, type=kind, error=str(exc)[:300],
                 keeping_last_snapshot=bool(known and known.snapshot is not None)))
-        if was_reachable and not self._reachable(server_id):
+        became_unreachable = was_reachable and not self._reachable(server_id)
+        if became_unreachable:
             log.warning("server became unreachable; its versions are now served as Stale",
                         extra=kv(server=server_id))
+        if self._on_failure is not None:
+            self._on_failure(server_id, became_unreachable)
 
     def _succeeded(self, server_id: str, state: _ServerPoll, snapshot: Snapshot) -> None:
         was_reachable = self._reachable(server_id)

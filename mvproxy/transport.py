@@ -1,13 +1,23 @@
-"""The only outbound HTTP: one pooled client session per upstream, mTLS, timeouts.
+"""The only outbound HTTP: pooled TLS connections to the backend and peers, llhttp-parsed.
 
-Every request mvproxy makes to its backend or a peer goes through here, and every
-aiohttp exception stops here: callers see only ``UpstreamConnectError`` (nothing
-was sent, safe to try another peer), ``UpstreamTimeout`` and
-``UpstreamProtocolError``.
+Every request mvproxy makes (forwarded requests, discovery polls, discovery probes)
+goes through here, and every socket, TLS and parser error stops here: callers see
+only ``UpstreamConnectError`` (nothing was sent, safe to try another peer),
+``UpstreamTimeout`` and ``UpstreamProtocolError``.
 
-Sessions never decompress (``Content-Encoding`` passes through untouched), never
-keep cookies (a proxy must not carry one user's cookie to another) and never read
-proxy settings from the environment (traffic to the control plane must not detour).
+- **Pools**: one per upstream, idle connections reused most-recent-first and capped
+  (``max_idle``); a connection idle longer than ``idle_expiry`` is closed instead of
+  reused, well inside kube-apiserver's 90 s idle timeout, so a reused connection is
+  rarely one the server is closing. ``reset`` drops a pool and aborts the requests on
+  it: polling calls it when a peer stops answering, so nothing waits on a frozen peer.
+- **Sockets** carry TCP keep-alive and ``TCP_USER_TIMEOUT``: a peer that vanished from
+  the network (no RST ever comes) is noticed within about ``keepalive`` seconds even on
+  a quiet watch.
+- **Responses** are parsed with llhttp and handed to a ``ResponseHandler`` as they
+  arrive (head, body pieces, end), one ``flush`` per read, so a small answer can be
+  written to the downstream in one go and a large one streams with flow control.
+- Nothing is decompressed, no cookie is kept, no proxy setting from the environment is
+  read: bytes and headers pass as they are.
 """
 
 from __future__ import annotations
@@ -15,15 +25,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
-import sys
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
+from mvproxy import wire
 from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -34,9 +49,14 @@ from mvproxy.requestcheck import target_problem
 
 log = logging.getLogger(__name__)
 
-# aiohttp's workaround for leaked TLS transports (cpython#118960). On Pythons with the
-# fix it is a no-op that warns (DeprecationWarning), so ask for it only where needed.
-_CLEANUP_CLOSED = sys.version_info < (3, 12, 8) or (3, 13, 0) <= sys.version_info < (3, 13, 1)
+KEEPALIVE_IDLE = 15
+"""Seconds of silence before TCP keep-alive probes start on an upstream socket."""
+KEEPALIVE_COUNT = 3
+KEEPALIVE_INTERVAL = 5
+USER_TIMEOUT_MS = 30_000
+"""Unacknowledged data for this long ends the connection (TCP_USER_TIMEOUT)."""
+BODY_HIGH_WATER = 256 * 1024
+"""Response bytes buffered for a slow reader before reading from the upstream pauses."""
 
 
 class BodyTooLarge(UpstreamProtocolError):
@@ -68,6 +88,19 @@ class Upstream:
             return self.anonymous
         return self
 
+    @cached_property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @cached_property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 443
+
+    @cached_property
+    def authority(self) -> str:
+        """The ``Host`` header value: ``host:port`` (IPv6 in brackets)."""
+        return urlsplit(self.url).netloc
+
 
 @dataclass(frozen=True)
 class Fetched:
@@ -79,137 +112,453 @@ class Fetched:
     body: bytes
 
 
+class ResponseHandler(Protocol):
+    """Receives one response as it is parsed (all calls come from the event loop)."""
+
+    def on_interim(self, status: int, reason: str, fields: wire.Fields) -> None: ...
+    def on_head(self, status: int, reason: str, fields: wire.Fields) -> None: ...
+    def on_body(self, data: bytes) -> None: ...
+    def on_end(self, trailers: wire.Fields) -> None: ...
+    def on_upgrade(self, early: bytes) -> None: ...
+    def on_error(self, error: UpstreamError) -> None: ...
+    def flush(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- connection
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TLS connection to an upstream, carrying one request at a time."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.upstream = pool.upstream
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.requests = 0
+        self.idle_since = 0.0
+        self.received = False
+        """Some byte of the current response arrived."""
+        self._handler: ResponseHandler | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._head_request = False
+        self._reason = b""
+        self._fields: wire.Fields = []
+        self._interim = False
+        self._until_close = False
+        self._complete = True
+        self._keep_alive = True
+        self._raw_sink: Callable[[bytes], None] | None = None
+        self._eof_sink: Callable[[], None] | None = None
+        self._write_paused = False
+        self._write_waiters: list[Callable[[], None]] = []
+        self._read_paused_by: set[str] = set()
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _keepalive(sock)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self._eof_sink is not None:
+            sink, self._eof_sink = self._eof_sink, None
+            sink()
+        self._wake_writers()
+        handler, self._handler = self._handler, None
+        if handler is None or self._complete:
+            return
+        if self._until_close and self._head_seen:
+            handler.on_end([])  # a close-delimited body ends with the connection
+            handler.flush()
+            return
+        what = "connection closed before the response was complete" if self.received \
+            else "connection closed before any response"
+        handler.on_error(UpstreamProtocolError(self.upstream.name, what))
+
+    def eof_received(self) -> bool | None:
+        if self._eof_sink is not None:
+            sink, self._eof_sink = self._eof_sink, None
+            sink()
+        return False
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        waiters, self._write_waiters = self._write_waiters, []
+        for waiter in waiters:
+            waiter()
+
+    def data_received(self, data: bytes) -> None:
+        if self._raw_sink is not None:
+            self._raw_sink(data)
+            return
+        handler = self._handler
+        if handler is None:
+            # Bytes nobody asked for: the connection's framing is lost.
+            self.abort()
+            return
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._complete = True
+            self._handler = None
+            handler.on_upgrade(data[upgrade.args[0]:])
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(handler, UpstreamProtocolError(
+                self.upstream.name, f"broken response: {str(exc)[:80]}"))
+            return
+        handler.flush()
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    _head_seen = False
+
+    def on_message_begin(self) -> None:
+        self._reason = b""
+        self._fields = []
+        self._head_seen = False
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        reason = self._reason.decode("latin-1")
+        fields, self._fields = self._fields, []
+        handler = self._handler
+        if handler is None:
+            return
+        if 100 <= status < 200 and status != 101:
+            self._interim = True
+            handler.on_interim(status, reason, fields)
+            return
+        self._head_seen = True
+        self._keep_alive = self._parser.should_keep_alive()
+        names = {name.lower() for name, _ in fields}
+        self._until_close = (not self._head_request and status not in (204, 304)
+                             and "content-length" not in names
+                             and "transfer-encoding" not in names and status != 101)
+        handler.on_head(status, reason, fields)
+        if self._head_request and status != 101:
+            # llhttp cannot be told "no body" from here: end the response ourselves
+            # and give the next request a fresh parser.
+            self._parser = httptools.HttpResponseParser(self)
+            self._finish(handler, [])
+
+    def on_body(self, body: bytes) -> None:
+        if self._handler is not None:
+            self._handler.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        handler = self._handler
+        if handler is not None:
+            trailers, self._fields = self._fields, []
+            self._finish(handler, trailers)
+
+    def _finish(self, handler: ResponseHandler, trailers: wire.Fields) -> None:
+        self._complete = True
+        self._handler = None
+        handler.on_end(trailers)
+
+    def _fail(self, handler: ResponseHandler, error: UpstreamError) -> None:
+        self._complete = True
+        self._handler = None
+        self.abort()
+        handler.on_error(error)
+
+    # ---------------------------------------------------------------- the request side
+
+    def send(self, head: bytes, handler: ResponseHandler, *, method: str) -> None:
+        """Write a request head; the response goes to ``handler``."""
+        self.requests += 1
+        self.received = False
+        self._handler = handler
+        self._head_request = method == "HEAD"
+        self._complete = False
+        self._head_seen = False
+        self._until_close = False
+        self._interim = False
+        self.write(head)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    @property
+    def paused_writing(self) -> bool:
+        return self._write_paused
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        if self._write_paused and not self.closed:
+            self._write_waiters.append(callback)
+        else:
+            callback()
+
+    def pause_reading(self, reason: str) -> None:
+        if not self._read_paused_by and self.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+        self._read_paused_by.add(reason)
+
+    def resume_reading(self, reason: str) -> None:
+        if reason in self._read_paused_by:
+            self._read_paused_by.discard(reason)
+            if not self._read_paused_by and self.transport is not None and not self.closed:
+                with contextlib.suppress(RuntimeError):
+                    self.transport.resume_reading()
+
+    @property
+    def reusable(self) -> bool:
+        return (self._complete and self._keep_alive and not self.closed
+                and self._raw_sink is None and not self._until_close)
+
+    def switch(self, sink: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+        """Raw mode after a 101: bytes go to ``sink``; ``on_eof`` once it ends."""
+        self._raw_sink = sink
+        self._eof_sink = on_eof
+        self.pool.forget(self)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _keepalive(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+
+
+# --------------------------------------------------------------------------- pool
+
+
+class Pool:
+    """Connections to one upstream: idle ones to reuse, busy ones to abort on reset."""
+
+    def __init__(self, upstream: Upstream, *, connect_timeout: float, max_idle: int,
+                 idle_expiry: float):
+        self.upstream = upstream
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.idle_expiry = idle_expiry
+        self.idle: deque[UpstreamConnection] = deque()
+        self.busy: set[UpstreamConnection] = set()
+
+    def __repr__(self) -> str:
+        return f"<Pool {self.upstream.name}: {len(self.busy)} busy, {len(self.idle)} idle>"
+
+    async def acquire(self) -> tuple[UpstreamConnection, bool]:
+        """A connection for one request, and whether it was reused."""
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed and now - conn.idle_since < self.idle_expiry:
+                self.busy.add(conn)
+                return conn, True
+            conn.close()
+        conn = await self._connect()
+        self.busy.add(conn)
+        return conn, False
+
+    async def _connect(self) -> UpstreamConnection:
+        upstream = self.upstream
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self), upstream.host, upstream.port,
+                    ssl=upstream.ssl_context, server_hostname=upstream.host,
+                    ssl_handshake_timeout=self.connect_timeout)
+        except TimeoutError as exc:
+            raise UpstreamConnectError(upstream.name, "connect timed out") from exc
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
+        return conn
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Back to the idle list if it can carry another request, else closed."""
+        self.busy.discard(conn)
+        if conn.reusable and len(self.idle) < self.max_idle:
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
+        else:
+            conn.close()
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        self.busy.discard(conn)
+        conn.abort()
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        self.busy.discard(conn)
+        with contextlib.suppress(ValueError):
+            self.idle.remove(conn)
+
+    def reset(self) -> int:
+        """Close idle connections and abort busy ones; returns how many were busy."""
+        busy = list(self.busy)
+        for conn in [*self.idle, *busy]:
+            conn.abort()
+        self.idle.clear()
+        self.busy.clear()
+        return len(busy)
+
+
+# --------------------------------------------------------------------------- transport
+
+
 class Transport:
-    """Pooled sessions keyed by upstream, with one set of timeouts.
+    """Pools keyed by upstream, with one set of timeouts.
 
     ``connect_timeout`` bounds TCP connect plus TLS handshake; ``request_timeout``
-    bounds a whole short request. Long-running requests (watch, exec, logs -f) get
-    only the connect timeout: they may legitimately stay open for hours.
-
-    No connection limit by default (``limit_per_upstream=0``): every open watch holds
-    one HTTP/1.1 connection, a control plane has thousands, and a capped pool would
-    turn the next request into a connect timeout. The backend enforces its own
-    limits (max-in-flight, APF).
+    bounds a whole short request. Long-running requests (watch, exec, logs -f) get a
+    deadline only for their response head. There is no cap on busy connections: every
+    open watch holds one, and a capped pool would turn the next request into a
+    timeout; the backend enforces its own limits (max-in-flight, APF).
     """
 
     def __init__(self, *, connect_timeout: float, request_timeout: float,
-                 limit_per_upstream: int = 0):
+                 max_idle_per_upstream: int = 64, idle_expiry: float = 30.0):
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
-        self._limit = limit_per_upstream
-        self._sessions: dict[Upstream, aiohttp.ClientSession] = {}
+        self._max_idle = max_idle_per_upstream
+        self._idle_expiry = idle_expiry
+        self._pools: dict[Upstream, Pool] = {}
 
-    def _session(self, upstream: Upstream) -> aiohttp.ClientSession:
-        session = self._sessions.get(upstream)
-        if session is None or session.closed:
-            # Peers get a fresh connection per request: on a pooled one, a frozen peer
-            # (SIGSTOP, paused VM) takes the request and never answers, holding it for
-            # the whole request timeout (a watch: forever). A new connection fails
-            # within connect_timeout instead (TLS handshake), so the request fails over
-            # or gets its 503 promptly. The backend keeps its pool.
-            reuse = {"force_close": True} if upstream.is_peer else {"keepalive_timeout": 30}
-            connector = aiohttp.TCPConnector(ssl=upstream.ssl_context, limit=self._limit,
-                                             enable_cleanup_closed=_CLEANUP_CLOSED, **reuse)
-            session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
-            self._sessions[upstream] = session
-        return session
+    def pool(self, upstream: Upstream) -> Pool:
+        pool = self._pools.get(upstream)
+        if pool is None:
+            pool = self._pools[upstream] = Pool(
+                upstream, connect_timeout=self.connect_timeout, max_idle=self._max_idle,
+                idle_expiry=self._idle_expiry)
+        return pool
 
-    def _timeout(self, long_running: bool, total: float | None = None) -> aiohttp.ClientTimeout:
-        # ``connect`` covers TCP connect *and* the TLS handshake: a peer that accepts
-        # the TCP connection but is frozen must not hold a request for the whole
-        # request timeout; it fails over (or gets a 503) after connect_timeout.
-        return aiohttp.ClientTimeout(
-            total=None if long_running else (total or self.request_timeout),
-            sock_connect=self.connect_timeout, connect=self.connect_timeout)
+    def drop_idle(self, name: str) -> None:
+        """Close the idle connections to upstream ``name``: the next request connects
+        afresh, and a server that stopped answering then fails within the connect
+        timeout instead of holding a request on an old connection."""
+        for upstream, pool in self._pools.items():
+            if upstream.name == name:
+                for conn in pool.idle:
+                    conn.close()
+                pool.idle.clear()
+
+    def reset(self, name: str) -> int:
+        """Drop every pool of upstream ``name`` (both flavours); returns the requests
+        aborted."""
+        return sum(pool.reset() for upstream, pool in self._pools.items()
+                   if upstream.name == name)
 
     async def fetch(self, upstream: Upstream, path: str, *, headers: Mapping[str, str],
                     timeout: float, max_bytes: int) -> Fetched:
-        """GET ``path`` and read the body whole, refusing bodies over ``max_bytes``."""
-        async with self.open(upstream, "GET", path, headers=headers,
-                             timeout=self._timeout(False, timeout)) as response:
-            body = await _read_capped(upstream, response, max_bytes)
-            headers = CIMultiDictProxy(CIMultiDict(response.headers))
-            return Fetched(response.status, headers, body)
+        """GET ``path`` and read the body whole, refusing bodies over ``max_bytes``.
 
-    @contextlib.asynccontextmanager
-    async def open(self, upstream: Upstream, method: str, path_qs: str, *,
-                   headers: Mapping[str, str], data=None, long_running: bool = False,
-                   timeout: aiohttp.ClientTimeout | None = None
-                   ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send a request and yield the response with its body still unread (streaming).
-
-        ``path_qs`` goes out byte for byte: ``encoded=True`` stops yarl from requoting
-        it (``%7E`` -> ``~``, ``%2f`` -> ``%2F``), which would change what the upstream
-        authorizes and audits.
+        A reused connection that fails before any response byte is retried once on a
+        fresh one (GET is idempotent).
         """
-        if target_problem(path_qs):
-            # Callers pass only checked targets; this keeps the URL from ever naming
-            # another host (an absolute or '//host' target replaces the base URL).
-            raise UpstreamProtocolError(upstream.name, "refusing a target that is not "
-                                                       "an origin-form path")
-        session = self._session(upstream)
-        # Joined by hand: yarl's join with a base URL removes dot segments (RFC 3986
-        # §5.2), and '/a/../b' must reach the upstream as sent.
-        target = URL(upstream.url + path_qs, encoded=True)
-        with _mapped(upstream):
-            async with session.request(method, target, headers=headers, data=data,
-                                       allow_redirects=False, compress=None,
-                                       timeout=timeout or self._timeout(long_running)) as resp:
-                yield resp
-
-    @staticmethod
-    async def stream(upstream: Upstream, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The response body as it arrives, with errors mapped like everything else."""
-        with _mapped(upstream):
-            async for chunk in response.content.iter_any():
-                yield chunk
+        if target_problem(path):
+            raise UpstreamProtocolError(upstream.name, "refusing a target that is not an "
+                                                       "origin-form path")
+        head = wire.request_head("GET", path, upstream.authority, list(headers.items()))
+        pool = self.pool(upstream)
+        try:
+            async with asyncio.timeout(timeout):
+                for attempt in (1, 2):
+                    conn, reused = await pool.acquire()
+                    collector = _Collector(upstream.name, max_bytes)
+                    conn.send(head, collector, method="GET")
+                    try:
+                        await collector.done
+                    except UpstreamProtocolError:
+                        pool.discard(conn)
+                        if attempt == 1 and reused and not conn.received:
+                            continue
+                        raise
+                    except BaseException:
+                        pool.discard(conn)
+                        raise
+                    pool.release(conn)
+                    return collector.result()
+        except TimeoutError as exc:
+            raise UpstreamTimeout(upstream.name, "timed out") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
-        sessions, self._sessions = list(self._sessions.values()), {}
-        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.reset()
+        await asyncio.sleep(0)  # let the transports run their close callbacks
 
 
-async def _read_capped(upstream: Upstream, response: aiohttp.ClientResponse,
-                       max_bytes: int) -> bytes:
-    declared = response.content_length
-    if declared is not None and declared > max_bytes:
-        raise BodyTooLarge(upstream.name,
-                           f"body of {declared} bytes exceeds the {max_bytes}-byte limit")
-    chunks, size = [], 0
-    with _mapped(upstream):
-        async for chunk in response.content.iter_chunked(65536):
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge(upstream.name, f"body exceeds the {max_bytes}-byte limit")
-            chunks.append(chunk)
-    return b"".join(chunks)
+class _Collector:
+    """Reads a whole (bounded) response for ``fetch``."""
 
+    def __init__(self, name: str, max_bytes: int):
+        self.name = name
+        self.max_bytes = max_bytes
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.status = 0
+        self.fields: wire.Fields = []
+        self.body = bytearray()
 
-@contextlib.contextmanager
-def _mapped(upstream: Upstream):
-    """Translate aiohttp/OS errors into mvproxy's, most specific first."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except (aiohttp.ClientConnectorError, aiohttp.ClientSSLError) as exc:
-        raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
-    except (aiohttp.ConnectionTimeoutError, aiohttp.SocketTimeoutError) as exc:
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            raise UpstreamConnectError(upstream.name, "connect timed out") from exc
-        raise UpstreamTimeout(upstream.name, "timed out waiting for data") from exc
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(upstream.name, "timed out") from exc
-    except aiohttp.ClientResponseError as exc:
-        # Its text holds the request URL with its query (exec commands, selectors):
-        # keep only what identifies the failure.
-        raise UpstreamProtocolError(upstream.name, f"broken response: {type(exc).__name__} "
-                                                   f"(status {exc.status})") from exc
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-            aiohttp.ClientOSError) as exc:
-        raise UpstreamProtocolError(upstream.name, f"broken response: {exc}") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamProtocolError(upstream.name, type(exc).__name__) from exc
+    def result(self) -> Fetched:
+        return Fetched(self.status, CIMultiDictProxy(CIMultiDict(self.fields)), bytes(self.body))
+
+    def on_interim(self, status: int, reason: str, fields: wire.Fields) -> None:
+        pass
+
+    def on_head(self, status: int, reason: str, fields: wire.Fields) -> None:
+        self.status, self.fields = status, fields
+        declared = wire.first(fields, "content-length")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            self.on_error(BodyTooLarge(self.name, f"body of {declared} bytes exceeds the "
+                                                  f"{self.max_bytes}-byte limit"))
+
+    def on_body(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        self.body += data
+        if len(self.body) > self.max_bytes:
+            self.on_error(BodyTooLarge(self.name, f"body exceeds the {self.max_bytes}-byte limit"))
+
+    def on_end(self, trailers: wire.Fields) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def on_upgrade(self, early: bytes) -> None:
+        self.on_error(UpstreamProtocolError(self.name, "unexpected protocol switch"))
+
+    def on_error(self, error: UpstreamError) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+            self.body = bytearray()
+
+    def flush(self) -> None:
+        pass

@@ -67,3 +67,28 @@ def kubectl(kubectl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Kub
     run.argv = argv  # type: ignore[attr-defined]
     run.env = env  # type: ignore[attr-defined]
     return run
+
+
+# --------------------------------------------------------------------------- data-plane listener
+# A bare ``listener.Listener`` on 127.0.0.1:0 running a test's handler, closed at teardown.
+
+
+@pytest.fixture
+async def listen():
+    """``await listen(handler, ssl_context, limits=None, identity=None) -> port``."""
+    from mvproxy.identity import ANONYMOUS_DOWNSTREAM
+    from mvproxy.listener import Limits, Listener
+
+    started: list[Listener] = []
+
+    async def start(handler, ssl_context, *, limits=None, identity=None) -> int:
+        listener = Listener(handler=handler, limits=limits or Limits(),
+                            ssl_context=ssl_context,
+                            resolve_identity=identity or (lambda der: ANONYMOUS_DOWNSTREAM),
+                            anonymous=ANONYMOUS_DOWNSTREAM)
+        started.append(listener)
+        return listener.start("127.0.0.1", 0)
+
+    yield start
+    for listener in started:
+        await listener.close()

@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import hashlib
 import io
+import json
 import random
 import socket
 import uuid
@@ -24,7 +25,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -48,8 +48,9 @@ PEER_DS = Downstream(PEER, "front-proxy-client")
 
 # --------------------------------------------------------------------------- request headers
 
-def mocked(headers: list[tuple[str, str]], method: str = "GET", path: str = "/api/v1/pods"):
-    return make_mocked_request(method, path, headers=CIMultiDict(headers))
+def mocked(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header fields as the listener hands them over: a list, in arrival order."""
+    return list(headers)
 
 
 def names(headers) -> set[str]:
@@ -171,7 +172,7 @@ def test_response_headers_drop_hop_by_hop_and_length_keep_repeats():
         ("Content-Encoding", "gzip"), ("Warning", "299 - one"), ("Warning", "299 - two"),
         ("Audit-Id", "abc"), ("ETag", '"e"'),
     ])
-    out = response_headers(upstream)
+    out = CIMultiDict(response_headers(list(upstream.items())))
     assert names(out) == {"content-type", "content-encoding", "warning", "audit-id", "etag"}
     assert out.getall("Warning") == ["299 - one", "299 - two"]
 
@@ -241,25 +242,24 @@ async def downstream_client(root):
     await session.close()
 
 
-def proxy_app(transport: Transport, upstream: Upstream, *, downstream=ANONYMOUS_DOWNSTREAM,
-              to_peer=True, long_running=True) -> web.Application:
+def proxy_handler(transport: Transport, upstream: Upstream, *, downstream=ANONYMOUS_DOWNSTREAM,
+                  to_peer=True, long_running=True):
     """What ``handlers`` does for one chosen upstream, minus routing."""
-    async def handle(request: web.Request) -> web.StreamResponse:
-        headers = request_headers(request, downstream, to_peer=to_peer)
+    async def handle(exchange) -> None:
+        headers = request_headers(exchange.fields, downstream, to_peer=to_peer)
         try:
-            return await forwarding.forward(request, transport, upstream, headers,
-                                            long_running=long_running)
+            await forwarding.forward(exchange, transport, upstream, headers,
+                                     long_running=long_running)
         except ForwardError as exc:
-            return web.json_response({"retryable": exc.retryable,
-                                      "cause": type(exc.cause).__name__}, status=599)
+            body = json.dumps({"retryable": exc.retryable,
+                               "cause": type(exc.cause).__name__}).encode()
+            exchange.respond(599, [("Content-Type", "application/json")], body)
 
-    app = web.Application(client_max_size=0)
-    app.router.add_route("*", "/{tail:.*}", handle)
-    return app
+    return handle
 
 
 @pytest.fixture
-def chain(aiohttp_server, root, transport):
+def chain(aiohttp_server, root, transport, listen):
     """``await chain(upstream_app, **proxy_kw)`` -> base URL of the proxy."""
     async def start(upstream_app: web.Application | None, *, upstream_url: str | None = None,
                     **proxy_kw) -> str:
@@ -271,9 +271,9 @@ def chain(aiohttp_server, root, transport):
         up = Upstream("apiserver-b", upstream_url, pki.client_context(
             root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
             is_peer=True)
-        proxy = await aiohttp_server(proxy_app(transport, up, **proxy_kw), ssl=pki.server_context(
+        port = await listen(proxy_handler(transport, up, **proxy_kw), pki.server_context(
             root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
-        return f"https://127.0.0.1:{proxy.port}"
+        return f"https://127.0.0.1:{port}"
     return start
 
 
@@ -446,7 +446,8 @@ async def short_transport():
 ], ids=["GET may go to another peer", "POST whose body was sent may not",
         "POST without body may not either"])
 async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_transport,
-                                                   downstream_client, method, body, retryable):
+                                                   downstream_client, listen, method, body,
+                                                   retryable):
     release = asyncio.Event()
 
     async def hang(request: web.Request) -> web.Response:
@@ -460,12 +461,11 @@ async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_t
     up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", pki.client_context(
         root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
         is_peer=True)
-    proxy = await aiohttp_server(proxy_app(short_transport, up, long_running=False),
-                                 ssl=pki.server_context(root / "a" / "mvproxy.crt",
-                                                        root / "a" / "mvproxy.key"))
+    port = await listen(proxy_handler(short_transport, up, long_running=False),
+                        pki.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
     try:
         async with downstream_client.request(
-                method, f"https://127.0.0.1:{proxy.port}/api/v1/namespaces/ns/pods",
+                method, f"https://127.0.0.1:{port}/api/v1/namespaces/ns/pods",
                 data=body) as resp:
             assert resp.status == 599
             assert await resp.json() == {"retryable": retryable, "cause": "UpstreamTimeout"}

@@ -2,8 +2,8 @@
 
 Everything runs on 127.0.0.1 over real TLS with a throwaway PKI: a fake upstream
 (an aiohttp WebSocket app, the simulated API server's exec, or a raw
-``asyncio.start_server`` speaking "SPDY"), and a small proxy app whose only handler
-resolves the client certificate and calls ``forward_upgrade`` as ``handlers`` does.
+``asyncio.start_server`` speaking "SPDY"), and a bare data-plane ``Listener`` whose
+handler calls ``forwarding.forward`` with the headers ``handlers`` would compute.
 Every server is stopped by its fixture; every wait is bounded by ``WAIT``, which
 only a broken tunnel ever reaches.
 """
@@ -21,7 +21,6 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
-from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -29,9 +28,10 @@ from mvproxy import forwarding, pki, tunnel
 from mvproxy.devcluster.simexec import handle_exec
 from mvproxy.errors import UpstreamConnectError, UpstreamProtocolError
 from mvproxy.forwarding import ForwardError
-from mvproxy.identity import IdentityResolver
+from mvproxy.identity import USER, Downstream, IdentityResolver
+from mvproxy.listener import Exchange
 from mvproxy.requestinfo import parse_request_info
-from mvproxy.transport import Upstream
+from mvproxy.transport import Transport, Upstream
 
 WAIT = 10.0
 """Upper bound of every wait; a passing test never gets near it."""
@@ -72,43 +72,46 @@ class Proxy:
 
     def __init__(self) -> None:
         self.errors: list[ForwardError] = []
+        self.upgrades: list[bool] = []
         self.finished = asyncio.Event()
+        self.transport: Transport | None = None
         self.url = ""
 
 
 @pytest.fixture
-def start_proxy(aiohttp_server: Any, root: Path, contexts: dict[str, Any]
-                ) -> Callable[[str], Awaitable[Proxy]]:
-    """``await start_proxy(upstream_url, to_peer=False)``: a TLS listener tunnelling
-    everything there, with the headers ``handlers`` computes for a backend or a peer."""
+def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
+                ) -> Callable[..., Awaitable[Proxy]]:
+    """``await start_proxy(upstream_url, to_peer=False, identity=None)``: a TLS listener
+    forwarding everything there, with the headers ``handlers`` computes for a backend
+    or a peer (``identity`` replaces the certificate check)."""
     resolver = IdentityResolver(client_ca_file=str(root / "ca.crt"), peer_client_ca_file=None,
                                 peer_allowed_names=())
 
-    async def start(upstream_url: str, *, to_peer: bool = False) -> Proxy:
+    async def start(upstream_url: str, *, to_peer: bool = False,
+                    identity: Callable[[bytes | None], Downstream] | None = None,
+                    client_ssl: Any = None) -> Proxy:
         proxy = Proxy()
-        upstream = Upstream("backend", upstream_url, contexts["to_upstream"])
+        upstream = Upstream("backend", upstream_url, client_ssl or contexts["to_upstream"],
+                            is_peer=to_peer)
+        transport = Transport(connect_timeout=WAIT, request_timeout=WAIT)
+        proxy.transport = transport
 
-        async def handle(request: web.Request) -> web.StreamResponse:
+        async def handle(exchange: Exchange) -> None:
             try:
-                ssl_object = request.transport.get_extra_info("ssl_object")
-                der = ssl_object.getpeercert(binary_form=True)
-                downstream = resolver.resolve(der)
-                headers = forwarding.request_headers(request, downstream, to_peer=to_peer)
-                assert tunnel.is_upgrade(request)
+                headers = forwarding.request_headers(exchange.fields, exchange.downstream,
+                                                     to_peer=to_peer)
+                proxy.upgrades.append(exchange.upgrade)
                 try:
-                    return await tunnel.forward_upgrade(request, upstream, headers,
-                                                        connect_timeout=WAIT,
-                                                        response_timeout=WAIT)
+                    await forwarding.forward(exchange, transport, upstream, headers,
+                                             long_running=True)
                 except ForwardError as exc:
                     proxy.errors.append(exc)
-                    return web.Response(status=503, text="unavailable")
+                    exchange.respond(503, [("Content-Type", "text/plain")], b"unavailable")
             finally:
                 proxy.finished.set()
 
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        server = await aiohttp_server(app, ssl=contexts["listener"])
-        proxy.url = f"https://127.0.0.1:{server.port}"
+        port = await listen(handle, contexts["listener"], identity=identity or resolver.resolve)
+        proxy.url = f"https://127.0.0.1:{port}"
         return proxy
 
     return start
@@ -179,6 +182,20 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[int, CIMultiDict[str]
         name, _, value = line.partition(":")
         headers.add(name, value.strip())
     return int(status_line.split()[1]), headers
+
+
+async def read_body(reader: asyncio.StreamReader, headers: CIMultiDict[str]) -> bytes:
+    """A response body framed by Content-Length or chunked (a relayed refusal may be
+    either, as the upstream framed it)."""
+    if "Content-Length" in headers:
+        return await reader.readexactly(int(headers["Content-Length"]))
+    assert headers["Transfer-Encoding"] == "chunked"
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    assert await reader.readuntil(b"\r\n") == b"\r\n"
+    return body
 
 
 async def spdy_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -388,7 +405,7 @@ async def test_refused_upgrade_relays_status_and_body(
     reader, writer = await raw_connect(proxy, contexts)
     writer.write(spdy_request(EXEC + "?command=ls", URL(proxy.url).port or 0))
     status, headers = await read_head(reader)
-    body = await asyncio.wait_for(reader.readexactly(int(headers["Content-Length"])), WAIT)
+    body = await asyncio.wait_for(read_body(reader, headers), WAIT)
     assert status == 403
     assert headers["Content-Type"].startswith("application/json")
     assert headers["Connection"].lower() == "close"
@@ -408,58 +425,59 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _upgrade_request(path: str = EXEC) -> web.Request:
-    return make_mocked_request("GET", path, headers={
-        "Host": "mvproxy", "Connection": "Upgrade", "Upgrade": "websocket"})
+async def refused_upgrade(proxy: Proxy, contexts: dict[str, Any]) -> ForwardError:
+    """Send an upgrade through ``proxy``; it answers 503 and records why."""
+    reader, writer = await raw_connect(proxy, contexts)
+    writer.write(spdy_request(EXEC, URL(proxy.url).port or 0))
+    status, _ = await read_head(reader)
+    writer.close()
+    await asyncio.wait_for(proxy.finished.wait(), WAIT)
+    assert status == 503
+    [error] = proxy.errors
+    return error
 
 
-async def test_refused_connection_is_a_retryable_connect_error(contexts: dict[str, Any]) -> None:
-    upstream = Upstream("peer-b", f"https://127.0.0.1:{_free_port()}", contexts["to_upstream"],
-                        is_peer=True)
-    with pytest.raises(ForwardError) as caught:
-        await tunnel.forward_upgrade(_upgrade_request(), upstream, CIMultiDict(),
-                                     connect_timeout=WAIT, response_timeout=WAIT)
-    assert caught.value.retryable
-    assert isinstance(caught.value.cause, UpstreamConnectError)
+async def test_refused_connection_is_a_retryable_connect_error(
+        start_proxy: Any, contexts: dict[str, Any]) -> None:
+    proxy = await start_proxy(f"https://127.0.0.1:{_free_port()}", to_peer=True)
+    error = await refused_upgrade(proxy, contexts)
+    assert error.retryable
+    assert isinstance(error.cause, UpstreamConnectError)
 
 
 async def test_untrusted_upstream_certificate_is_a_connect_error(
-        serve_raw: Any, root: Path) -> None:
+        serve_raw: Any, start_proxy: Any, contexts: dict[str, Any]) -> None:
     """TLS failures count as "could not connect": nothing was sent."""
     url = await serve_raw(lambda r, w: r.read(1))
     stranger = pki.client_context(None)  # system trust: does not know the test CA
-    with pytest.raises(ForwardError) as caught:
-        await tunnel.forward_upgrade(_upgrade_request(), Upstream("b", url, stranger),
-                                     CIMultiDict(), connect_timeout=WAIT, response_timeout=WAIT)
-    assert caught.value.retryable
-    assert isinstance(caught.value.cause, UpstreamConnectError)
+    error = await refused_upgrade(await start_proxy(url, to_peer=True, client_ssl=stranger),
+                                  contexts)
+    assert error.retryable
+    assert isinstance(error.cause, UpstreamConnectError)
 
 
 async def test_garbage_answer_is_a_protocol_error_not_retryable(
-        serve_raw: Any, contexts: dict[str, Any]) -> None:
+        serve_raw: Any, start_proxy: Any, contexts: dict[str, Any]) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"SSH-2.0-nope\r\n\r\n")
         await writer.drain()
 
-    url = await serve_raw(garbage)
-    with pytest.raises(ForwardError) as caught:
-        await tunnel.forward_upgrade(_upgrade_request(),
-                                     Upstream("b", url, contexts["to_upstream"]),
-                                     CIMultiDict(), connect_timeout=WAIT, response_timeout=WAIT)
-    assert not caught.value.retryable
-    assert isinstance(caught.value.cause, UpstreamProtocolError)
+    proxy = await start_proxy(await serve_raw(garbage))
+    error = await refused_upgrade(proxy, contexts)
+    assert not error.retryable
+    assert isinstance(error.cause, UpstreamProtocolError)
 
 
 async def test_header_with_line_break_is_refused_before_connecting(
-        contexts: dict[str, Any]) -> None:
-    upstream = Upstream("b", f"https://127.0.0.1:{_free_port()}", contexts["to_upstream"])
-    headers = CIMultiDict({"X-Remote-User": "a\r\nX-Remote-Group: system:masters"})
-    with pytest.raises(ForwardError) as caught:
-        await tunnel.forward_upgrade(_upgrade_request(), upstream, headers,
-                                     connect_timeout=WAIT)
-    assert not caught.value.retryable
-    assert isinstance(caught.value.cause, UpstreamProtocolError)  # not "cannot connect"
+        start_proxy: Any, contexts: dict[str, Any]) -> None:
+    """A certificate CN holding CR LF must not smuggle a header into the upstream request."""
+    smuggler = Downstream(USER, "a\r\nX-Remote-Group: system:masters")
+    proxy = await start_proxy(f"https://127.0.0.1:{_free_port()}",
+                              identity=lambda der: smuggler)
+    error = await refused_upgrade(proxy, contexts)
+    assert not error.retryable
+    assert isinstance(error.cause, UpstreamProtocolError)  # not "cannot connect"
 
 
 # --------------------------------------------------------------------------- (5) endings
@@ -508,39 +526,24 @@ async def test_downstream_closing_mid_tunnel_closes_the_upstream(
 # --------------------------------------------------------------------------- units
 
 
-class _FakeTransport:
-    def __init__(self) -> None:
-        self.reading = True
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-
-async def test_downstream_reader_pauses_while_a_chunk_waits() -> None:
-    transport = _FakeTransport()
-    sink = tunnel._DownstreamBytes(transport)  # type: ignore[arg-type]
-    assert sink.feed_data(b"one") == (False, b"")
-    assert not transport.reading  # nothing more is read until "one" is taken
-    sink.feed_data(b"two")  # already in flight when the pause took effect
-    assert await sink.read() == b"one"
-    assert await sink.read() == b"two"
-    assert not transport.reading
-    pending = asyncio.create_task(sink.read())
-    await asyncio.sleep(0)
-    assert transport.reading  # queue empty and someone waiting: read again
-    sink.feed_eof()
-    assert await asyncio.wait_for(pending, WAIT) == b""
-
-
 @pytest.mark.parametrize(("headers", "expected"), [
-    ({"Connection": "Upgrade", "Upgrade": "websocket"}, True),
-    ({"Connection": "keep-alive, upgrade", "Upgrade": "SPDY/3.1"}, True),
-    ({"Connection": "Upgrade"}, False),
-    ({"Upgrade": "websocket"}, False),
-    ({"Connection": "Upgrade", "Upgrade": "websocket", "Content-Length": "5"}, False),
+    ("Connection: Upgrade\r\nUpgrade: websocket\r\n", True),
+    ("Connection: keep-alive, upgrade\r\nUpgrade: SPDY/3.1\r\n", True),
+    ("Connection: Upgrade\r\n", False),
+    ("Upgrade: websocket\r\n", False),
 ])
-def test_is_upgrade(headers: dict[str, str], expected: bool) -> None:
-    assert tunnel.is_upgrade(make_mocked_request("GET", "/", headers=headers)) is expected
+async def test_what_counts_as_an_upgrade(serve_app: Any, start_proxy: Any,
+                                         contexts: dict[str, Any], headers: str,
+                                         expected: bool) -> None:
+    app = web.Application()
+    async def plain(request: web.Request) -> web.Response:
+        return web.Response(text="plain")
+
+    app.router.add_route("*", "/{tail:.*}", plain)
+    proxy = await start_proxy(await serve_app(app))
+    reader, writer = await raw_connect(proxy, contexts)
+    writer.write(f"GET /x HTTP/1.1\r\nHost: a\r\n{headers}\r\n".encode())
+    await read_head(reader)
+    writer.close()
+    await asyncio.wait_for(proxy.finished.wait(), WAIT)
+    assert proxy.upgrades == [expected]

@@ -6,11 +6,27 @@ every error the simulated API server returns goes through here.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
 
-from mvproxy.kubestatus import json_response, status_body, status_response  # noqa: F401 - re-exported
+from mvproxy.kubestatus import status_body
+
+
+def status_response(code: int, message: str, *, reason: str | None = None,
+                    details: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None) -> web.Response:
+    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
+    body = status_body(code, message, reason=reason, details=details)
+    return json_response(code, body, headers)
+
+
+def json_response(code: int, body: dict[str, Any], headers: dict[str, str] | None = None
+                  ) -> web.Response:
+    # kube labels errors exactly "application/json" (aiohttp's text= would add a charset).
+    return web.Response(status=code, body=json.dumps(body).encode(),
+                        headers={**(headers or {}), "Content-Type": "application/json"})
 
 
 # --- kube-apiserver's common failures, worded as apimachinery's ``errors`` package does ---

@@ -1,0 +1,791 @@
+"""The main listener: TLS connections from downstreams, parsed with llhttp (httptools).
+
+What this module owns, and nothing above it does:
+
+- **accepting** on its own socket, up to ``maxConnections`` at once; at the limit, or
+  when the process is out of file descriptors, it stops accepting (the kernel's backlog
+  holds new clients) and resumes when a connection ends or after a back-off, logging
+  once per episode, so descriptors stay free for discovery polls and upstreams;
+- **limits** like kube-apiserver's: the TLS handshake and the request head must arrive
+  within ``headerReadTimeout``, an idle keep-alive connection is closed after
+  ``idleTimeout``, a head larger than ``maxHeaderBytes`` gets 431. Deadlines are plain
+  numbers checked by one sweep per listener, not a timer object per request;
+- **parsing** each request into an ``Exchange`` (plain values: method, raw target,
+  decoded path, query, header fields, the connection's verified identity) and running
+  the handler for it; requests pipelined behind it wait their turn;
+- **flow control**: request bodies are handed on as they arrive and reading pauses
+  while the consumer is behind; responses are written as given, and the writer learns
+  when the client stops reading (``paused_writing``);
+- **framing** answers: ``respond`` for a whole answer in one write, ``start``/``write``/
+  ``end`` for a streamed one (chunked, or close-delimited for HTTP/1.0), ``take_over``
+  for a protocol switch (the connection's bytes then go to a tunnel untouched).
+
+An exception from a handler becomes a 500 ``Status`` here if nothing was sent yet,
+else the connection is closed (the client sees a truncated response, never a lie).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from mvproxy import wire
+from mvproxy.identity import Downstream
+from mvproxy.kubestatus import status_bytes
+from mvproxy.logs import V, kv
+from mvproxy.requestcheck import Refusal, check_request
+
+log = logging.getLogger(__name__)
+
+BODY_HIGH_WATER = 256 * 1024
+"""Request-body bytes held for a consumer before reading from the client pauses."""
+MAX_PIPELINED = 8
+"""Requests parsed ahead of the one being answered before reading pauses."""
+_ACCEPT_BATCH = 32
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-listener resource limits (``listener`` in the configuration)."""
+
+    header_read_timeout: float = 32.0
+    """Seconds for the TLS handshake, and for a request head once its first byte came."""
+    idle_timeout: float = 90.0
+    """Seconds a keep-alive connection may wait for its next request."""
+    max_header_bytes: int = 1 << 20
+    """Largest request line plus header fields (431 beyond)."""
+    max_connections: int = 10_000
+    """Connections open at once; beyond it new clients wait in the kernel's backlog."""
+
+
+Handler = Callable[["Exchange"], Awaitable[None]]
+
+
+class BadRequest(Exception):
+    """The request cannot be parsed or is not served: answered, then the connection ends."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+# --------------------------------------------------------------------------- exchange
+
+
+class Exchange:
+    """One request on a downstream connection, and the way to answer it."""
+
+    __slots__ = (
+        "__weakref__",
+        "_body_done",
+        "_buffered",
+        "_chunks",
+        "_close_after",
+        "_consumed",
+        "_copy",
+        "_copy_limit",
+        "_copy_size",
+        "_early",
+        "_head_pending",
+        "_headers",
+        "_sink",
+        "_started_at",
+        "body_length",
+        "chunked",
+        "chunked_out",
+        "conn",
+        "fields",
+        "finished",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "started",
+        "status",
+        "target",
+        "trailers",
+        "upgrade",
+        "version",
+    )
+
+    def __init__(self, conn: DownstreamConnection, method: str, target: str,
+                 version: tuple[int, int], fields: wire.Fields, keep_alive: bool,
+                 upgrade: bool):
+        self.conn = conn
+        self.method = method
+        self.target = target
+        raw_path, _, self.query = target.partition("?")
+        self.path = unquote(raw_path) if "%" in raw_path else raw_path
+        self.version = version
+        self.fields = fields
+        self.keep_alive = keep_alive
+        self.upgrade = upgrade
+        self.body_length: int | None = None
+        self.chunked = False
+        self._headers: CIMultiDictProxy[str] | None = None
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._sink: Callable[[bytes], None] | None = None
+        self._body_done = True
+        self.trailers: wire.Fields = []
+        self._copy: list[bytes] | None = None
+        self._copy_size = 0
+        self._copy_limit = 0
+        self._consumed = False
+        self.started = False
+        """The response head went out: nothing else can be said about this request."""
+        self.finished = False
+        self.status = 0
+        self.chunked_out = False
+        self._head_pending = b""
+        self._close_after = upgrade
+        """Set for upgrade requests: unless the connection is taken over, the bytes
+        after their head cannot be read as HTTP."""
+        self._early: bytearray | None = None
+        self._started_at = time.monotonic()
+
+    # ---------------------------------------------------------------- request side
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """The fields as a case-insensitive multidict (built on first use)."""
+        if self._headers is None:
+            self._headers = CIMultiDictProxy(CIMultiDict(self.fields))
+        return self._headers
+
+    @property
+    def downstream(self) -> Downstream:
+        return self.conn.downstream
+
+    @property
+    def client_address(self) -> str:
+        return self.conn.client_address
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or bool(self.body_length)
+
+    @property
+    def body_complete(self) -> bool:
+        return self._body_done and not self._chunks
+
+    @property
+    def body_started(self) -> bool:
+        """Whether any body byte has been handed to a consumer (it is gone then,
+        unless ``keep_body_copy`` kept it)."""
+        return self._consumed
+
+    def keep_body_copy(self, limit: int) -> None:
+        """Remember the body (up to ``limit`` bytes) so it can be sent again."""
+        if self._copy is None and not self._consumed:
+            self._copy, self._copy_size, self._copy_limit = [], 0, limit
+
+    def replayable(self) -> bool:
+        """Whether the whole body so far is in the copy (so it can be sent again)."""
+        return self._copy is not None or not self._consumed
+
+    def attach_body(self, sink: Callable[[bytes], None]) -> None:
+        """Stream the body into ``sink`` from the start (again, after ``detach_body``,
+        if a copy was kept); ``sink(b"")`` marks its end. ``trailers`` is set by then."""
+        self._sink = sink
+        if self._copy is not None and self._consumed:
+            for piece in self._copy:
+                sink(piece)
+        self._drain_into_sink()
+
+    def detach_body(self) -> None:
+        self._sink = None
+
+    def _drain_into_sink(self) -> None:
+        while self._chunks and self._sink is not None:
+            self._pass(self._chunks.popleft())
+        self._buffered = 0
+        self.conn.resume_reading("body")
+        if self._body_done and self._sink is not None:
+            self._sink(b"")
+
+    def _pass(self, data: bytes) -> None:
+        self._consumed = True
+        if self._copy is not None:
+            self._copy_size += len(data)
+            if self._copy_size > self._copy_limit:
+                self._copy = None
+            else:
+                self._copy.append(data)
+        assert self._sink is not None
+        self._sink(data)
+
+    def _body(self, data: bytes) -> None:
+        if self._sink is not None and not self._chunks:
+            self._pass(data)
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > BODY_HIGH_WATER:
+            self.conn.pause_reading("body")
+
+    def _body_end(self) -> None:
+        self._body_done = True
+        if self._sink is not None and not self._chunks:
+            self._sink(b"")
+
+    # ---------------------------------------------------------------- response side
+
+    def respond(self, status: int, fields: wire.Fields, body: bytes = b"",
+                reason: str = "") -> None:
+        """The whole answer, in one write."""
+        framing = [] if status in (204, 304) or 100 <= status < 200 else [
+            ("Content-Length", str(len(body)))]
+        self.start(status, fields + framing, reason=reason, hold=True)
+        with_body = self.method != "HEAD" and status not in (204, 304)
+        self.conn.write(self._head_pending + body if with_body else self._head_pending)
+        self._head_pending = b""
+        self._end_response()
+
+    def start(self, status: int, fields: wire.Fields, *, reason: str = "",
+              hold: bool = False) -> None:
+        """The response head. ``fields`` must frame the body (``Content-Length``, or
+        ``Transfer-Encoding: chunked`` which is replaced by close-delimiting for
+        HTTP/1.0 clients). ``hold`` keeps the head for the first write."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        self.status = status
+        names = {name.lower() for name, _ in fields}
+        if "transfer-encoding" in names:
+            if self.version < (1, 1):
+                fields = [(n, v) for n, v in fields if n.lower() != "transfer-encoding"]
+                self._close_after = True
+            else:
+                self.chunked_out = True
+        if self._close_after or not self.keep_alive or self.conn.closing:
+            fields = [*fields, ("Connection", "close")]
+            self._close_after = True
+        head = wire.response_head(status, reason, fields)
+        if hold:
+            self._head_pending = head
+        else:
+            self.conn.write(head)
+
+    def write(self, data: bytes, *, end: bool = False, trailers: wire.Fields = ()) -> None:
+        """Body bytes (framed here when chunked), with a held head before them and the
+        end after them if ``end``: one write to the connection either way."""
+        out = self._head_pending
+        self._head_pending = b""
+        if data:
+            out += wire.chunk(data) if self.chunked_out else data
+        if end:
+            if self.chunked_out:
+                out += wire.last_chunk(list(trailers))
+            self._end_response()
+        if out:
+            self.conn.write(out)
+
+    def end(self, trailers: wire.Fields = ()) -> None:
+        """The end of the body (the last chunk, with any trailers)."""
+        self.write(b"", end=True, trailers=trailers)
+
+    def _end_response(self) -> None:
+        self.finished = True
+
+    def abort(self) -> None:
+        """End the response badly: the connection closes without a proper ending."""
+        self.finished = True
+        self._close_after = True
+        self.conn.abort()
+
+    def take_over(self, sink: Callable[[bytes], None]) -> bytes:
+        """After a ``101``: every further byte from the client goes to ``sink``
+        unparsed; returns what the client sent early (after the request head)."""
+        self.finished = True
+        self._close_after = True
+        early = bytes(self._early or b"")
+        self._early = None
+        self.conn.switch(sink)
+        return early
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started_at
+
+
+# --------------------------------------------------------------------------- connection
+
+
+class DownstreamConnection(asyncio.Protocol):
+    """One client connection: parses requests, runs the handler for each in turn."""
+
+    def __init__(self, listener: Listener):
+        self.listener = listener
+        self.loop = listener.loop
+        self.transport: asyncio.Transport | None = None
+        self.downstream: Downstream = listener.anonymous
+        self.client_address = ""
+        self.deadline = 0.0
+        self.closing = False
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = bytearray()
+        self._fields: wire.Fields = []
+        self._head_size = 0
+        self._in_head = False
+        self._parsing: Exchange | None = None
+        self._active: Exchange | None = None
+        self._queue: deque[Exchange] = deque()
+        self._task: asyncio.Task | None = None
+        self._paused_by: set[str] = set()
+        self._write_paused = False
+        self._write_waiters: list[Callable[[], None]] = []
+        self._upgrading: Exchange | None = None
+        self._raw_sink: Callable[[bytes], None] | None = None
+        self._eof_sink: Callable[[], None] | None = None
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.client_address = peer[0] if isinstance(peer, tuple) else ""
+        ssl_object = transport.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        self.downstream = self.listener.resolve_identity(der)
+        self.listener.opened(self)
+        self._idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.listener.closed(self)
+        if self._eof_sink is not None:
+            sink, self._eof_sink = self._eof_sink, None
+            sink()
+        for waiter in self._write_waiters:
+            waiter()
+        self._write_waiters.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client left: stop its request upstream too
+
+    def eof_received(self) -> bool | None:
+        if self._eof_sink is not None:
+            sink, self._eof_sink = self._eof_sink, None
+            sink()
+        return False  # TLS cannot half-close: the connection ends
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiters, self._write_waiters = self._write_waiters, []
+        for waiter in waiters:
+            waiter()
+
+    def data_received(self, data: bytes) -> None:
+        if self._raw_sink is not None:
+            self._raw_sink(data)
+            return
+        if self._upgrading is not None:
+            self._early_bytes(self._upgrading, data)
+            return
+        if not self._in_head and self._parsing is None:
+            self._in_head = True
+            self.deadline = self.loop.time() + self.listener.limits.header_read_timeout
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._upgrading is not None:
+                self._early_bytes(self._upgrading, data[upgrade.args[0]:])
+        except BadRequest as bad:
+            self._refuse(bad.refusal)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._refuse(cause.refusal if isinstance(cause, BadRequest)
+                         else Refusal(400, "the request could not be parsed"))
+        except httptools.HttpParserError as exc:
+            self._refuse(_parse_refusal(exc))
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url.clear()
+        self._fields = []
+        self._head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._grow(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._grow(len(name) + len(value) + 4)
+        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def _grow(self, size: int) -> None:
+        self._head_size += size
+        if self._head_size > self.listener.limits.max_header_bytes:
+            raise BadRequest(Refusal(431, "the request head is larger than the "
+                                          f"{self.listener.limits.max_header_bytes}-byte limit"))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser = self._parser
+        version = parser.get_http_version()
+        exchange = Exchange(self, parser.get_method().decode("latin-1"),
+                            self._url.decode("latin-1"),
+                            (int(version[0]), int(version[2])) if len(version) == 3 else (0, 0),
+                            self._fields, parser.should_keep_alive(), parser.should_upgrade())
+        te = wire.values(self._fields, "transfer-encoding")
+        refusal = check_request(exchange.version, exchange.target, te)
+        if refusal is not None:
+            raise BadRequest(refusal)
+        if te:
+            exchange.chunked = True
+            exchange._body_done = False
+        else:
+            length = wire.first(self._fields, "content-length")
+            if length:
+                exchange.body_length = int(length)  # llhttp validated it
+                exchange._body_done = exchange.body_length == 0
+        self._fields = []  # trailers, if any, are collected apart
+        if exchange.upgrade:
+            exchange._early = bytearray()
+            self._upgrading = exchange
+        self._parsing = exchange
+        self._queue.append(exchange)
+        if len(self._queue) > MAX_PIPELINED:
+            self.pause_reading("pipeline")
+        self.deadline = 0.0
+        if self._active is None:
+            self._next()
+
+    def on_body(self, body: bytes) -> None:
+        if self._parsing is not None:
+            self._parsing._body(body)
+
+    def on_message_complete(self) -> None:
+        exchange, self._parsing = self._parsing, None
+        if exchange is not None:
+            exchange.trailers, self._fields = self._fields, []  # llhttp: fields after the body
+            exchange._body_end()
+
+    def _early_bytes(self, exchange: Exchange, data: bytes) -> None:
+        assert exchange._early is not None
+        exchange._early += data
+        if len(exchange._early) > BODY_HIGH_WATER:
+            self.pause_reading("upgrade")
+
+    # ---------------------------------------------------------------- running handlers
+
+    def _next(self) -> None:
+        if not self._queue or self.closing:
+            return
+        exchange = self._active = self._queue.popleft()
+        self.resume_reading("pipeline")
+        self._task = self.loop.create_task(self.listener.handler(exchange))
+        self._task.add_done_callback(lambda task: self._handled(exchange, task))
+
+    def _handled(self, exchange: Exchange, task: asyncio.Task) -> None:
+        """The one place a handler's failure becomes an answer (or a closed connection)."""
+        self._task = None
+        if task.cancelled():
+            self.abort()
+            return
+        failure = task.exception()
+        if failure is not None:
+            log.error("request handler failed", exc_info=failure,
+                      extra=kv(method=exchange.method, started=exchange.started))
+        if failure is not None or not exchange.finished:
+            if exchange.started:
+                self.abort()  # a truncated response, never a wrong one
+                return
+            exchange._close_after = True
+            exchange.respond(500, [("Content-Type", "application/json")],
+                             status_bytes(500, "internal error in mvproxy; see its log"))
+        self._active = None
+        if exchange is self._upgrading:
+            self._upgrading = None
+        if exchange._close_after or not exchange.body_complete or self.closing:
+            self.close()
+            return
+        if self._queue:
+            self._next()
+        else:
+            self._idle()
+
+    def _idle(self) -> None:
+        self.deadline = self.loop.time() + self.listener.limits.idle_timeout
+
+    def _refuse(self, refusal: Refusal) -> None:
+        """Answer a request that cannot be served (if nothing else is being answered),
+        then close: what follows on the connection cannot be trusted."""
+        log.log(V(3), "request refused", extra=kv(status=refusal.status, reason=refusal.message))
+        self.listener.refused(refusal.status)
+        self.pause_reading("refused")
+        self._queue.clear()
+        self._parsing = None
+        if self._active is None and self.transport is not None:
+            body = status_bytes(refusal.status, refusal.message)
+            self.write(wire.response_head(refusal.status, "", [
+                ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                ("Connection", "close")]) + body)
+        self.close()
+
+    # ---------------------------------------------------------------- I/O helpers
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    @property
+    def paused_writing(self) -> bool:
+        return self._write_paused
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the client reads again (at once if it does)."""
+        if self._write_paused and not self.closing:
+            self._write_waiters.append(callback)
+        else:
+            callback()
+
+    async def drain(self) -> None:
+        if self._write_paused and not self.closing:
+            waiter = self.loop.create_future()
+            self._write_waiters.append(lambda: waiter.done() or waiter.set_result(None))
+            await waiter
+
+    def pause_reading(self, reason: str) -> None:
+        if not self._paused_by and self.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+        self._paused_by.add(reason)
+
+    def resume_reading(self, reason: str) -> None:
+        if reason in self._paused_by:
+            self._paused_by.discard(reason)
+            if not self._paused_by and self.transport is not None and not self.closing:
+                with contextlib.suppress(RuntimeError):
+                    self.transport.resume_reading()
+
+    def switch(self, sink: Callable[[bytes], None]) -> None:
+        """Raw mode: bytes go to ``sink`` from now on (a tunnel)."""
+        self._raw_sink = sink
+        self.deadline = 0.0
+        self.resume_reading("upgrade")
+
+    def on_eof(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once when the client's side ends (tunnels)."""
+        if self.closing:
+            callback()
+        else:
+            self._eof_sink = callback
+
+    def close(self) -> None:
+        """Close after what was written is flushed."""
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close_if_idle(self) -> bool:
+        """Close now if no request is in progress (shutdown); True if it was idle."""
+        if self._active is None and self._parsing is None and not self._queue:
+            self.close()
+            return True
+        self.closing = True  # the current response carries Connection: close
+        return False
+
+    def expired(self, now: float) -> None:
+        if self._active is not None or self._raw_sink is not None:
+            return
+        if self._in_head or self._parsing is not None:
+            self._refuse(Refusal(408, "the request head did not arrive within "
+                                      f"{self.listener.limits.header_read_timeout:g}s"))
+        else:
+            self.close()
+
+
+def _parse_refusal(exc: httptools.HttpParserError) -> Refusal:
+    """400 for whatever llhttp refuses (smuggling attempts included); the reason is
+    llhttp's own short text, which names the construct, never echoes the input."""
+    return Refusal(400, f"the request could not be parsed as HTTP/1.1: {str(exc)[:80]}")
+
+
+# --------------------------------------------------------------------------- listener
+
+
+class Listener:
+    """Accepts TLS connections up to the limit and runs ``handler`` for each request."""
+
+    def __init__(self, *, handler: Handler, limits: Limits, ssl_context: ssl.SSLContext,
+                 resolve_identity: Callable[[bytes | None], Downstream],
+                 anonymous: Downstream, on_refused: Callable[[int], None] | None = None):
+        self.handler = handler
+        self.limits = limits
+        self.ssl_context = ssl_context
+        self.resolve_identity = resolve_identity
+        self.anonymous = anonymous
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[DownstreamConnection] = set()
+        self._on_refused = on_refused
+        self._socket: socket.socket | None = None
+        self._accepting = False
+        self._pending = 0
+        """Accepted sockets still in their TLS handshake (they count as connections)."""
+        self._handshakes: set[asyncio.Task] = set()
+        self._resume_handle: asyncio.TimerHandle | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._starved_since: float | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, host: str, port: int) -> int:
+        """Bind and listen; returns the port (for port 0)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._socket = sock
+        self._resume_accepting()
+        self._sweeper = self.loop.create_task(self._sweep(), name="mvproxy-listener-sweep")
+        return sock.getsockname()[1]
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket (shutdown): new clients are refused by the kernel."""
+        self._pause_accepting()
+        if self._resume_handle is not None:
+            self._resume_handle.cancel()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def close_idle(self) -> None:
+        for conn in list(self.connections):
+            conn.close_if_idle()
+
+    async def close(self) -> None:
+        """Stop everything: the socket, handshakes in progress, every connection."""
+        self.stop_accepting()
+        for task in list(self._handshakes):
+            task.cancel()
+        await asyncio.gather(*self._handshakes, return_exceptions=True)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.connections) + self._pending
+
+    # ---------------------------------------------------------------- accepting
+
+    def _resume_accepting(self) -> None:
+        self._resume_handle = None
+        if self._socket is not None and not self._accepting:
+            self._accepting = True
+            self.loop.add_reader(self._socket.fileno(), self._accept)
+
+    def _pause_accepting(self) -> None:
+        if self._accepting and self._socket is not None:
+            self._accepting = False
+            self.loop.remove_reader(self._socket.fileno())
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            if self.open_connections >= self.limits.max_connections:
+                self._starved("the connection limit", f"maxConnections={self.limits.max_connections}")
+                self._pause_accepting()
+                return
+            try:
+                sock, _ = self._socket.accept()  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self._starved("file descriptors", exc.strerror or str(exc))
+                    self._pause_accepting()
+                    self._resume_handle = self.loop.call_later(1.0, self._resume_accepting)
+                    return
+                log.log(V(4), "accept failed", extra=kv(error=str(exc)))
+                return
+            if self._starved_since is not None:
+                log.info("accepting connections again", extra=kv(
+                    after_seconds=round(time.monotonic() - self._starved_since, 1)))
+                self._starved_since = None
+            self._pending += 1
+            task = self.loop.create_task(self._handshake(sock))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    def _starved(self, what: str, detail: str) -> None:
+        """Log once per episode, not per failed accept (an attacker controls the rate)."""
+        if self._starved_since is None:
+            self._starved_since = time.monotonic()
+            log.warning(f"not accepting new connections: out of {what}; clients wait in "
+                        "the backlog until connections end", extra=kv(detail=detail,
+                                                                     open=self.open_connections))
+
+    async def _handshake(self, sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await self.loop.connect_accepted_socket(
+                lambda: DownstreamConnection(self), sock, ssl=self.ssl_context,
+                ssl_handshake_timeout=self.limits.header_read_timeout)
+        except (OSError, TimeoutError, asyncio.CancelledError, ConnectionError) as exc:
+            sock.close()
+            log.log(V(4), "TLS handshake failed", extra=kv(error=type(exc).__name__))
+        except Exception:  # a broken client must not stop accepting
+            sock.close()
+            log.log(V(4), "TLS handshake failed unexpectedly", exc_info=True)
+        finally:
+            self._pending -= 1
+            if not self._accepting and self._starved_since is not None \
+                    and self._resume_handle is None:
+                self._resume_accepting()
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def opened(self, conn: DownstreamConnection) -> None:
+        self.connections.add(conn)
+
+    def closed(self, conn: DownstreamConnection) -> None:
+        self.connections.discard(conn)
+        if not self._accepting and self._resume_handle is None and self._socket is not None:
+            self._resume_accepting()
+
+    def refused(self, status: int) -> None:
+        if self._on_refused is not None:
+            self._on_refused(status)
+
+    async def _sweep(self) -> None:
+        """Enforce the idle and header deadlines, a few times per shortest timeout."""
+        period = max(0.05, min(1.0, self.limits.header_read_timeout / 4,
+                               self.limits.idle_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = self.loop.time()
+            for conn in list(self.connections):
+                if conn.deadline and conn.deadline < now:
+                    conn.deadline = 0.0
+                    conn.expired(now)

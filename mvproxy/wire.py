@@ -1,0 +1,109 @@
+"""HTTP/1.1 framing shared by the listener and the upstream client (pure, no I/O).
+
+Header names and values travel as ``str`` decoded from Latin-1, which maps every
+byte to one character and back, so what a client sent reaches the upstream byte for
+byte. Everything mvproxy writes goes through ``encode_fields``, which refuses a CR,
+LF or NUL anywhere: no value, whatever its source (a certificate's CN, a peer's
+header), can start a header or a request of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Fields = list[tuple[str, str]]
+"""Header fields in order, names as received (HTTP names are case-insensitive)."""
+
+# RFC 9110 §7.6.1 connection-specific fields, plus Host (each hop sets its own) and
+# the framing fields (each hop frames the body itself).
+HOP_BY_HOP = frozenset((
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+    "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
+))
+FRAMING = frozenset(("content-length", "transfer-encoding"))
+
+LAST_CHUNK = b"0\r\n\r\n"
+_UNSAFE = ("\r", "\n", "\0")
+
+
+class UnsafeHeader(ValueError):
+    """A header name or value holds a line break or NUL: it cannot be sent."""
+
+
+_REASONS = {
+    100: "Continue", 101: "Switching Protocols", 200: "OK", 201: "Created",
+    202: "Accepted", 204: "No Content", 206: "Partial Content", 301: "Moved Permanently",
+    302: "Found", 304: "Not Modified", 307: "Temporary Redirect", 400: "Bad Request",
+    401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    406: "Not Acceptable", 408: "Request Timeout", 409: "Conflict", 410: "Gone",
+    413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
+    429: "Too Many Requests", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway",
+    503: "Service Unavailable", 504: "Gateway Timeout", 505: "HTTP Version Not Supported",
+}
+
+
+def reason_phrase(status: int) -> str:
+    """The standard phrase for the codes mvproxy writes itself ("" for others: the
+    phrase is optional in HTTP/1.1 and clients ignore it)."""
+    return _REASONS.get(status, "")
+
+
+def connection_tokens(fields: Fields) -> set[str]:
+    """Lowercased tokens of every ``Connection`` field: names that end at this hop."""
+    tokens: set[str] = set()
+    for name, value in fields:
+        if name.lower() == "connection":
+            tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return tokens
+
+
+def values(fields: Fields, name: str) -> list[str]:
+    """Every value of ``name`` (case-insensitive), in order."""
+    lowered = name.lower()
+    return [v for n, v in fields if n.lower() == lowered]
+
+
+def first(fields: Fields, name: str, default: str = "") -> str:
+    lowered = name.lower()
+    for n, v in fields:
+        if n.lower() == lowered:
+            return v
+    return default
+
+
+def encode_fields(fields: Iterable[tuple[str, str]]) -> bytes:
+    parts = []
+    for name, value in fields:
+        line = f"{name}: {value}\r\n"
+        if any(c in name or c in value for c in _UNSAFE):
+            raise UnsafeHeader(f"header {name[:40]!r} holds a line break or NUL")
+        parts.append(line)
+    try:
+        return "".join(parts).encode("latin-1")
+    except UnicodeEncodeError:
+        raise UnsafeHeader("a header holds characters outside Latin-1") from None
+
+
+def response_head(status: int, reason: str, fields: Iterable[tuple[str, str]]) -> bytes:
+    """``HTTP/1.1 <status> <reason>`` and the fields, ending with the blank line."""
+    reason = reason if reason and not any(c in reason for c in _UNSAFE) else reason_phrase(status)
+    return (b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1", "replace"))
+            + encode_fields(fields) + b"\r\n")
+
+
+def request_head(method: str, target: str, host: str, fields: Iterable[tuple[str, str]]) -> bytes:
+    """``<method> <target> HTTP/1.1``, ``Host`` and the fields, ending with the blank line."""
+    if any(c in target for c in " \r\n\0") or any(c in method for c in " \r\n\0"):
+        raise UnsafeHeader("the request line holds a space, line break or NUL")
+    return (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
+            + encode_fields(fields) + b"\r\n")
+
+
+def chunk(data: bytes) -> bytes:
+    """One chunk of a chunked body (never empty: an empty chunk ends the body)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def last_chunk(trailers: Fields) -> bytes:
+    return b"0\r\n" + encode_fields(trailers) + b"\r\n" if trailers else LAST_CHUNK
