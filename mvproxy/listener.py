@@ -361,7 +361,8 @@ class DownstreamConnection(asyncio.Protocol):
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         self.downstream = self.listener.resolve_identity(der)
         self.listener.opened(self)
-        self._idle()
+        # The first request head is due like any other (Go's ReadHeaderTimeout).
+        self.deadline = self.loop.time() + self.listener.limits.header_read_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True

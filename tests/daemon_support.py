@@ -47,7 +47,8 @@ def root(tmp_path_factory) -> Path:
 
 
 def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
-                routes=None, seen: list[tuple[str, str]] | None = None) -> web.Application:
+                routes=None, seen: list[tuple[str, str]] | None = None,
+                health: dict[str, bool] | None = None) -> web.Application:
     """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
 
     With ``gate``, /apis answers only once the gate is set (a first poll in progress).
@@ -65,6 +66,8 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
                  "/apis": json.dumps(aggregated(catalog, core=False)).encode()}
 
     async def discovery(request: web.Request) -> web.Response:
+        if health is not None and not health["discovery"]:
+            return web.Response(status=500, text="discovery is failing")
         if gate is not None and request.path == "/apis":
             await asyncio.wait_for(gate.wait(), WAIT)
         return web.Response(body=documents[request.path], content_type="application/json")
@@ -107,11 +110,13 @@ class Cluster:
 
     def __init__(self, root: Path, base: str, admin: str, peer_server, gate: asyncio.Event,
                  sessions: dict[str, aiohttp.ClientSession], contexts: dict[str, ssl.SSLContext],
-                 seen: dict[str, list[tuple[str, str]]]):
+                 seen: dict[str, list[tuple[str, str]]], health: dict[str, bool]):
         self.root, self.base, self.admin = root, base, admin
         self.peer_server, self.gate, self.sessions = peer_server, gate, sessions
         self.contexts = contexts
         self.seen = seen
+        self.health = health
+        """Set ``health["discovery"] = False`` and the first peer's discovery answers 500."""
         """(method, raw target) each fake received, by "backend" and "peer" (no polls)."""
         self.port = int(base.rsplit(":", 1)[1])
 
@@ -175,8 +180,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
-                  backend_routes=None, extra_peers: int = 0, **discovery: str):
+                  backend_routes=None, extra_peers: int = 0, peer_routes=None,
+                  listener: dict[str, object] | None = None, **discovery: str):
     gate = asyncio.Event()
+    health = {"discovery": True}
     seen: dict[str, list[tuple[str, str]]] = {"backend": [], "peer": []}
     backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
                                                seen=seen["backend"]), ssl=pki.server_context(
@@ -184,10 +191,10 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
         root / "front-proxy-ca.crt"))  # optional, like kube-apiserver (anonymous, tokens)
     peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
                                   root / "front-proxy-ca.crt", require_client_cert=True)
-    peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"]),
-                                ssl=peer_ssl)
-    others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36"), ssl=peer_ssl)
-              for i in range(extra_peers)]
+    peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"],
+                                            routes=peer_routes, health=health), ssl=peer_ssl)
+    others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36", routes=peer_routes),
+                                   ssl=peer_ssl) for i in range(extra_peers)]
     overrides = {
         "serverID": SELF, "bindAddress": "127.0.0.1", "securePort": free_port(),
         "tlsCertFile": str(root / "a" / "mvproxy.crt"),
@@ -213,6 +220,7 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
         "timeouts.connect": "5s", "timeouts.request": "30s",
         "timeouts.shutdownGracePeriod": "1s",
         **{f"timeouts.{k}": v for k, v in (timeouts or {}).items()},
+        **{f"listener.{k}": v for k, v in (listener or {}).items()},
     }
     # A seeded shuffle: which capable peer is tried first is the same on every run.
     daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))
@@ -228,8 +236,10 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
     sessions["plain"] = aiohttp.ClientSession()
     try:
         async with running(daemon) as (port, admin_port):
-            yield Cluster(root, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
-                          peer, gate, sessions, contexts, seen)
+            made = Cluster(root, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
+                           peer, gate, sessions, contexts, seen, health)
+            made.backend_server = backend
+            yield made
     finally:
         gate.set()
         for session in sessions.values():

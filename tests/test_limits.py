@@ -1,0 +1,138 @@
+"""Resource limits of the main listener, against the assembled daemon on loopback.
+
+Reproductions from the security issue: 500 slowloris connections stayed open 130 s,
+idle TLS connections were never closed, and nothing capped connections. Each test
+sets small limits through the configuration (``listener.*``) and asserts what a
+client sees: its connection closed (with 408 when a head was begun), 431 for a huge
+head, a client beyond ``maxConnections`` kept waiting until a slot frees, and
+well-behaved clients served all along. Every wait is bounded by ``WAIT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+
+import pytest
+from daemon_support import (  # root: the module's PKI fixture
+    WAIT,
+    Cluster,
+    body_of,
+    cluster,
+    root,  # noqa: F401
+    status_of,
+    synced,
+)
+
+SHORT = {"headerReadTimeout": "500ms", "idleTimeout": "500ms"}
+
+
+async def ready(c: Cluster) -> None:
+    c.gate.set()
+    await c.until(lambda: synced(c), "the first complete sync")
+
+
+async def tls_connect(c: Cluster, who: str = "admin"):
+    return await asyncio.open_connection("127.0.0.1", c.port, ssl=c.contexts[who],
+                                         server_hostname="127.0.0.1")
+
+
+async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT)."""
+    received = b""
+    async with asyncio.timeout(WAIT):
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while chunk := await reader.read(65536):
+                received += chunk
+    return received
+
+
+async def served(c: Cluster) -> bool:
+    status, _, _ = await c.get("/api/v1/namespaces")
+    return status == 200
+
+
+async def test_slowloris_connections_are_closed_while_others_are_served(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener=SHORT) as c:
+        await ready(c)
+        slow = [await tls_connect(c) for _ in range(40)]
+
+        async def trickle(writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                writer.write(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: x\r\n")
+                for _ in range(100):  # a header byte every 50 ms, never the end
+                    await asyncio.sleep(0.05)
+                    writer.write(b"X")
+
+        tricklers = [asyncio.create_task(trickle(w)) for _, w in slow]
+        assert await served(c)  # a well-behaved client is not held up
+        answers = await asyncio.gather(*(read_until_closed(r) for r, _ in slow))
+        for answer in answers:
+            assert status_of(answer) == 408, answer[:200]
+            assert body_of(answer)["reason"] == "Timeout"
+        for task in tricklers:
+            task.cancel()
+        await asyncio.gather(*tricklers, return_exceptions=True)
+        for _, writer in slow:
+            writer.close()
+        assert await c.metric("mvproxy_refused_requests_total", code="408") == 40
+        assert await served(c)
+
+
+async def test_an_idle_connection_is_closed(aiohttp_server, root):
+    """Never a request, or no next request after one: closed, without a word."""
+    async with cluster(aiohttp_server, root, listener=SHORT) as c:
+        await ready(c)
+        reader, writer = await tls_connect(c)
+        assert await read_until_closed(reader) == b""
+        writer.close()
+        reader, writer = await tls_connect(c)
+        writer.write(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await read_until_closed(reader)  # answered, then closed when idle
+        assert status_of(answer) == 200
+        writer.close()
+
+
+async def test_a_connection_that_never_starts_tls_is_closed(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener=SHORT) as c:
+        await ready(c)
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.port)
+        writer.write(b"\x16\x03\x01")  # the start of a ClientHello, and then nothing
+        assert await read_until_closed(reader) == b""
+        writer.close()
+
+
+@pytest.mark.parametrize("shape", ["one huge header", "many headers", "huge target"])
+async def test_a_head_over_max_header_bytes_gets_431(aiohttp_server, root, shape):
+    async with cluster(aiohttp_server, root, listener={"maxHeaderBytes": 4096}) as c:
+        await ready(c)
+        if shape == "one huge header":
+            head = b"GET /api HTTP/1.1\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
+        elif shape == "many headers":
+            head = b"GET /api HTTP/1.1\r\n" + b"".join(
+                b"X-H%d: v\r\n" % i for i in range(600)) + b"\r\n"
+        else:
+            head = b"GET /api/v1/namespaces?x=" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n"
+        answer = await c.raw(head)
+        assert status_of(answer) == 431, answer[:200]
+        assert body_of(answer)["kind"] == "Status"
+        assert c.seen == {"backend": [], "peer": []}
+        assert await served(c)
+
+
+async def test_clients_beyond_max_connections_wait_for_a_free_slot(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener={"maxConnections": 8}) as c:
+        await ready(c)
+        held = [await tls_connect(c) for _ in range(8)]
+        assert await c.metric("mvproxy_open_connections") == 8
+        waiting = asyncio.create_task(tls_connect(c))
+        done, _ = await asyncio.wait([waiting], timeout=0.5)
+        assert not done, "a ninth connection was accepted past maxConnections"
+        held[0][1].close()
+        reader, writer = await asyncio.wait_for(waiting, WAIT)
+        writer.write(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status_of(await read_until_closed(reader)) == 200
+        writer.close()
+        for _, other in held[1:]:
+            other.close()
