@@ -54,6 +54,8 @@ BODY_HIGH_WATER = 256 * 1024
 MAX_PIPELINED = 8
 """Requests parsed ahead of the one being answered before reading pauses."""
 _ACCEPT_BATCH = 32
+STARVED_LOG_INTERVAL = 60.0
+"""Seconds between two "not accepting new connections" warnings."""
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -650,6 +652,9 @@ class Listener:
         self._resume_handle: asyncio.TimerHandle | None = None
         self._sweeper: asyncio.Task | None = None
         self._starved_since: float | None = None
+        self._starved_logged_at = -STARVED_LOG_INTERVAL
+        self._starved_episodes = 0
+        self._recovery_unlogged = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -731,8 +736,10 @@ class Listener:
                 log.log(V(4), "accept failed", extra=kv(error=str(exc)))
                 return
             if self._starved_since is not None:
-                log.info("accepting connections again", extra=kv(
-                    after_seconds=round(time.monotonic() - self._starved_since, 1)))
+                if self._recovery_unlogged:
+                    self._recovery_unlogged = False
+                    log.info("accepting connections again", extra=kv(
+                        after_seconds=round(time.monotonic() - self._starved_since, 1)))
                 self._starved_since = None
             self._pending += 1
             task = self.loop.create_task(self._handshake(sock))
@@ -740,12 +747,20 @@ class Listener:
             task.add_done_callback(self._handshakes.discard)
 
     def _starved(self, what: str, detail: str) -> None:
-        """Log once per episode, not per failed accept (an attacker controls the rate)."""
+        """Log at most once per ``STARVED_LOG_INTERVAL``, never per failed accept (a
+        client controls that rate); the recovery after a logged episode is logged once."""
+        now = time.monotonic()
         if self._starved_since is None:
-            self._starved_since = time.monotonic()
+            self._starved_since = now
+            self._starved_episodes += 1
+        if now - self._starved_logged_at >= STARVED_LOG_INTERVAL:
             log.warning(f"not accepting new connections: out of {what}; clients wait in "
-                        "the backlog until connections end", extra=kv(detail=detail,
-                                                                     open=self.open_connections))
+                        "the backlog until connections end",
+                        extra=kv(detail=detail, open=self.open_connections,
+                                 episodes=self._starved_episodes))
+            self._starved_logged_at = now
+            self._starved_episodes = 0
+            self._recovery_unlogged = True
 
     async def _handshake(self, sock: socket.socket) -> None:
         try:
