@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import socket
@@ -54,6 +56,8 @@ BODY_HIGH_WATER = 256 * 1024
 MAX_PIPELINED = 8
 """Requests parsed ahead of the one being answered before reading pauses."""
 _ACCEPT_BATCH = 32
+TRIM_DELAY = 2.0
+"""Seconds after a large drop in connections before freed memory is returned."""
 STARVED_LOG_INTERVAL = 60.0
 """Seconds between two "not accepting new connections" warnings."""
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -621,6 +625,16 @@ class DownstreamConnection(asyncio.Protocol):
             self.close()
 
 
+def release_free_memory() -> None:
+    """glibc keeps freed heap for reuse; ``malloc_trim`` returns what it can (no-op
+    where glibc is not the allocator)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _parse_refusal(exc: httptools.HttpParserError) -> Refusal:
     """400 for whatever llhttp refuses (smuggling attempts included); the reason is
     llhttp's own short text, which names the construct, never echoes the input."""
@@ -652,6 +666,8 @@ class Listener:
         self._resume_handle: asyncio.TimerHandle | None = None
         self._sweeper: asyncio.Task | None = None
         self._starved_since: float | None = None
+        self._peak = 0
+        self._trim: asyncio.TimerHandle | None = None
         self._starved_logged_at = -STARVED_LOG_INTERVAL
         self._starved_episodes = 0
         self._recovery_unlogged = False
@@ -787,8 +803,18 @@ class Listener:
 
     def closed(self, conn: DownstreamConnection) -> None:
         self.connections.discard(conn)
+        self._peak = max(self._peak, len(self.connections) + 1)
+        if self._trim is None and len(self.connections) < self._peak // 2 and self._peak >= 256:
+            # Many connections ended (a wave of watches moved elsewhere): hand the
+            # freed heap back to the system once things calm down.
+            self._trim = self.loop.call_later(TRIM_DELAY, self._return_memory)
         if not self._accepting and self._resume_handle is None and self._socket is not None:
             self._resume_accepting()
+
+    def _return_memory(self) -> None:
+        self._trim = None
+        self._peak = len(self.connections)
+        release_free_memory()
 
     def refused(self, status: int) -> None:
         if self._on_refused is not None:
