@@ -505,7 +505,9 @@ class DownstreamConnection(asyncio.Protocol):
         """The one place a handler's failure becomes an answer (or a closed connection)."""
         self._task = None
         if task.cancelled():
-            self.abort()
+            # Cancelled because the request was refused mid-body (its answer is written:
+            # flush it) or because the client left or shutdown came (nothing to flush).
+            self.close() if exchange.finished else self.abort()
             return
         failure = task.exception()
         if failure is not None:
@@ -540,7 +542,14 @@ class DownstreamConnection(asyncio.Protocol):
         self.pause_reading("refused")
         self._queue.clear()
         self._parsing = None
-        if self._active is None and self.transport is not None:
+        active = self._active
+        if active is None or not active.started:
+            # Nothing was answered yet (a bad body of a request being forwarded counts:
+            # its upstream request is abandoned, the client learns why).
+            if active is not None:
+                active.started = active.finished = True
+                if self._task is not None:
+                    self._task.cancel()
             body = status_bytes(refusal.status, refusal.message)
             self.write(wire.response_head(refusal.status, "", [
                 ("Content-Type", "application/json"), ("Content-Length", str(len(body))),

@@ -92,3 +92,25 @@ async def listen():
     yield start
     for listener in started:
         await listener.close()
+
+
+# --------------------------------------------------------------------------- reliability report
+# ``--reliability-report PATH`` writes what the standing suites tried (tests/reliability.py).
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reliability-report", metavar="PATH", default=None,
+                     help="write the reliability suites' report (markdown) to PATH")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+    session.config._mvproxy_started = time.monotonic()  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import time
+    target = session.config.getoption("--reliability-report")
+    if target and exitstatus == 0:
+        from reliability import write_report
+        write_report(Path(target), time.monotonic() - session.config._mvproxy_started)
