@@ -80,6 +80,11 @@ class UpstreamProtocolError(UpstreamError):
     """The upstream answered with something unusable (bad HTTP, oversized body)."""
 
 
+class UpstreamUnreachable(UpstreamProtocolError):
+    """The request was on its way when polling declared the upstream unreachable and
+    ended it; no response byte had arrived."""
+
+
 class UpstreamUnserved(UpstreamError):
     """A peer mvproxy answered that nothing reached *its* backend (its 503 carries the
     ``UNSERVED`` marker), so the request may go to another capable peer."""

@@ -33,6 +33,7 @@ from mvproxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
+    UpstreamUnreachable,
     UpstreamUnserved,
 )
 from mvproxy.identity import (
@@ -148,12 +149,16 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
             await _exchange(exchange, pool, conn, head, transport, long_running)
             return
         except _StaleConnection:
-            # A pooled connection the upstream had closed: nothing of this request
-            # was answered; an idempotent one goes once more on a fresh connection.
+            # A pooled connection the upstream had closed: nothing of this request was
+            # answered; an idempotent one goes once more, on a fresh connection (the
+            # other idle ones probably died with it: the server restarted or left).
+            cause = UpstreamProtocolError(upstream.name, "connection closed before any response")
             if attempt == 2 or not exchange.replayable():
-                raise ForwardError(UpstreamProtocolError(upstream.name, "connection closed "
-                                                         "before any response"),
-                                   retryable=False) from None
+                raise ForwardError(cause, retryable=_may_resend(
+                    cause, exchange.method, not exchange.replayable())) from None
+            for idle in list(pool.idle):
+                idle.close()
+            pool.idle.clear()
             log.log(V(4), "retrying on a fresh connection", extra=kv(upstream=upstream.name))
 
 
@@ -176,8 +181,11 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             async with asyncio.timeout_at(deadline):
                 await relay.head
         except UpstreamError as exc:
-            if (isinstance(exc, UpstreamProtocolError) and not conn.received and conn.requests > 1
-                    and exchange.method in IDEMPOTENT):
+            if conn.reset and not conn.received:
+                exc = UpstreamUnreachable(upstream.name, "stopped answering; polling found it "
+                                                         "unreachable")
+            elif (isinstance(exc, UpstreamProtocolError) and not conn.received
+                  and conn.requests > 1 and exchange.method in IDEMPOTENT):
                 raise _StaleConnection() from exc
             raise ForwardError(exc, retryable=_may_resend(
                 exc, exchange.method, not exchange.replayable())) from exc
@@ -195,8 +203,8 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             async with asyncio.timeout_at(None if long_running else deadline):
                 await relay.done
         except (UpstreamError, TimeoutError) as exc:
-            log.info("stream ended early; closing the downstream connection",
-                     extra=kv(upstream=upstream.name, error=str(exc)[:200]))
+            log.log(V(3), "stream ended early; closing the downstream connection",
+                    extra=kv(upstream=upstream.name, error=str(exc)[:200]))
             exchange.abort()
             return
         if relay.body_pending():

@@ -124,8 +124,9 @@ class Proxy:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
                                      headers, long_running=long_running)
         except ForwardError as exc:
-            log.warning("backend request failed", extra=kv(error=str(exc)[:300]))
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
+            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
             if downstream.is_peer and answer.status == 503:
                 # Nothing reached the backend: the peer that sent this may try another.
                 answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
@@ -150,8 +151,10 @@ class Proxy:
                                          long_running=long_running)
             except ForwardError as exc:
                 last = exc
-                log.warning("peer request failed", extra=kv(peer=peer_id, error=str(exc)[:300],
-                                                            retry=exc.retryable))
+                # Per request, so not a warning: during an outage there is one per
+                # request; polling reports the peer's state change once.
+                log.log(V(3), "peer request failed", extra=kv(
+                    peer=peer_id, error=str(exc)[:300], retry=exc.retryable))
                 if not exc.retryable:
                     break
                 continue
@@ -161,7 +164,8 @@ class Proxy:
             reply(exchange, self._unavailable(info, routing.Decision(
                 routing.UNAVAILABLE, "", candidates)))
             return
-        answer = upstream_failure(last.cause, "every capable peer", self.retry_after)
+        answer = upstream_failure(last.cause, "every capable peer", self.retry_after,
+                                  idempotent=exchange.method in forwarding.IDEMPOTENT)
         self.metrics.rerouted_requests.labels(str(answer.status), *gvr).inc()
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
         reply(exchange, answer)

@@ -16,6 +16,7 @@ from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
+    UpstreamUnreachable,
     UpstreamUnserved,
 )
 
@@ -79,7 +80,8 @@ def status_reply(code: int, message: str, *, reason: str | None = None,
     return Reply(code, fields, status_bytes(code, message, reason=reason, details=details))
 
 
-def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> Reply:
+def upstream_failure(cause: UpstreamError, who: str, retry_after: int, *,
+                     idempotent: bool = False) -> Reply:
     """The answer when an upstream gave none, chosen by whether retrying is safe.
 
     - nothing was sent (connect failure), or a peer said nothing reached its backend:
@@ -88,15 +90,21 @@ def upstream_failure(cause: UpstreamError, who: str, retry_after: int) -> Reply:
       response that carries one, even a POST that may already have been applied;
     - sent, answer unusable: 502, without Retry-After, for the same reason.
 
-    The message names what failed in a few words; addresses and TLS details belong in
-    the log, not in a body any client can read.
+    An idempotent request (GET, HEAD, OPTIONS) may always be retried, so its 502 and
+    504 carry ``Retry-After`` too. The message names what failed in a few words;
+    addresses and TLS details belong in the log, not in a body any client can read.
     """
+    again = {"Retry-After": str(retry_after)} if idempotent else None
     if isinstance(cause, UpstreamConnectError):
         return status_reply(503, f"error trying to reach {who}: cannot connect",
                             headers={"Retry-After": str(retry_after)})
     if isinstance(cause, UpstreamUnserved):
         return status_reply(503, f"{who} could not reach its API server",
                             headers={"Retry-After": str(retry_after)})
+    if isinstance(cause, UpstreamUnreachable) and idempotent:
+        return status_reply(503, f"{who} stopped answering; retry later", headers=again)
     if isinstance(cause, UpstreamTimeout):
-        return status_reply(504, f"{who} did not answer in time", reason="Timeout")
-    return status_reply(502, f"{who} sent a broken response", reason="InternalError")
+        return status_reply(504, f"{who} did not answer in time", reason="Timeout",
+                            headers=again)
+    return status_reply(502, f"{who} sent a broken response or stopped answering",
+                        reason="InternalError", headers=again)

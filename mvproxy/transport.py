@@ -139,6 +139,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.received = False
         """Some byte of the current response arrived."""
+        self.reset = False
+        """Aborted by ``Pool.reset`` (its server stopped answering): not worth retrying."""
         self._handler: ResponseHandler | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._head_request = False
@@ -425,6 +427,7 @@ class Pool:
         """Close idle connections and abort busy ones; returns how many were busy."""
         busy = list(self.busy)
         for conn in [*self.idle, *busy]:
+            conn.reset = True
             conn.abort()
         self.idle.clear()
         self.busy.clear()

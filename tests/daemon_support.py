@@ -48,7 +48,7 @@ def root(tmp_path_factory) -> Path:
 
 def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
                 routes=None, seen: list[tuple[str, str]] | None = None,
-                health: dict[str, bool] | None = None) -> web.Application:
+                health: dict | None = None) -> web.Application:
     """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
 
     With ``gate``, /apis answers only once the gate is set (a first poll in progress).
@@ -65,9 +65,12 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
     documents = {"/api": json.dumps(aggregated(catalog, core=True)).encode(),
                  "/apis": json.dumps(aggregated(catalog, core=False)).encode()}
 
-    async def discovery(request: web.Request) -> web.Response:
+    async def discovery(request: web.Request) -> web.StreamResponse:
         if health is not None and not health["discovery"]:
             return web.Response(status=500, text="discovery is failing")
+        mode = health.get("mode", "ok") if health is not None else "ok"
+        if mode != "ok":
+            return await misbehave(request, mode)
         if gate is not None and request.path == "/apis":
             await asyncio.wait_for(gate.wait(), WAIT)
         return web.Response(body=documents[request.path], content_type="application/json")
@@ -101,6 +104,28 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
     return app
 
 
+async def misbehave(request: web.Request, mode: str) -> web.StreamResponse:
+    """Discovery answers a broken peer might give (``Cluster.health["mode"]``)."""
+    if mode == "garbage":
+        return web.Response(body=b'{"kind": "APIGroupDiscoveryList", "items": [{"nope',
+                            content_type="application/json")
+    if mode == "not-discovery":
+        return web.json_response({"kind": "Status", "items": 7})
+    if mode == "huge":
+        return web.Response(body=b" " * (10 * 1024 * 1024), content_type="application/json")
+    if mode == "slow":
+        await asyncio.sleep(WAIT)
+        return web.Response(status=200)
+    if mode == "truncated":
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = 100_000
+        await response.prepare(request)
+        await response.write(b'{"kind":"APIGroupDiscoveryList","items":[')
+        request.transport.close()
+        return response
+    raise AssertionError(f"unknown mode {mode}")
+
+
 def header(echoed: dict, name: str) -> list[str]:
     return [v for k, v in echoed["headers"] if k.lower() == name.lower()]
 
@@ -110,13 +135,14 @@ class Cluster:
 
     def __init__(self, root: Path, base: str, admin: str, peer_server, gate: asyncio.Event,
                  sessions: dict[str, aiohttp.ClientSession], contexts: dict[str, ssl.SSLContext],
-                 seen: dict[str, list[tuple[str, str]]], health: dict[str, bool]):
+                 seen: dict[str, list[tuple[str, str]]], health: dict):
         self.root, self.base, self.admin = root, base, admin
         self.peer_server, self.gate, self.sessions = peer_server, gate, sessions
         self.contexts = contexts
         self.seen = seen
         self.health = health
-        """Set ``health["discovery"] = False`` and the first peer's discovery answers 500."""
+        """The first peer's discovery: ``health["discovery"] = False`` answers 500;
+        ``health["mode"]`` = garbage, not-discovery, huge, slow or truncated misbehaves."""
         """(method, raw target) each fake received, by "backend" and "peer" (no polls)."""
         self.port = int(base.rsplit(":", 1)[1])
 
@@ -183,7 +209,7 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
                   backend_routes=None, extra_peers: int = 0, peer_routes=None,
                   listener: dict[str, object] | None = None, **discovery: str):
     gate = asyncio.Event()
-    health = {"discovery": True}
+    health: dict = {"discovery": True, "mode": "ok"}
     seen: dict[str, list[tuple[str, str]]] = {"backend": [], "peer": []}
     backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
                                                seen=seen["backend"]), ssl=pki.server_context(

@@ -15,14 +15,13 @@ import resource
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 from daemon_support import fake_server, root  # noqa: F401 - root: the PKI fixture
+from reliability import record
 
 from mvproxy import pki
 from mvproxy.devcluster.launcher import free_port
@@ -135,6 +134,9 @@ async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_
     assert log.count("not accepting new connections: out of the connection limit") == 1
     assert "accepting connections again" in log
     assert "Traceback" not in log
+    record("Resource limits", f"80 clients against a derived limit of {(NOFILE - 128) // 2} "
+                              f"(RLIMIT_NOFILE {NOFILE})", 80,
+           "excess clients wait; readyz stays 200 (polls keep their descriptors); one warning")
 
 
 async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, tmp_path):  # noqa: F811
@@ -155,3 +157,6 @@ async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, 
     assert log.count("not accepting new connections: out of file descriptors") == 1
     assert "Traceback" not in log
     assert len(log.splitlines()) < 40, log[-3000:]
+    record("Resource limits", f"{2 * NOFILE} clients with maxConnections above RLIMIT_NOFILE "
+                              f"{NOFILE}", 2 * NOFILE,
+           "EMFILE: accepting pauses 1 s at a time, one warning, no traceback; recovers")

@@ -26,6 +26,7 @@ from daemon_support import (  # root: the module's PKI fixture
     root,  # noqa: F401
     synced,
 )
+from reliability import record
 
 from mvproxy.forwarding import UNSERVED
 
@@ -78,6 +79,8 @@ async def test_a_peer_whose_backend_is_unreachable_hands_the_request_to_the_next
         assert first.endswith(":503") and second.endswith(":201")
         assert first.split(":")[0] != second.split(":")[0]
         assert await c.metric("mvproxy_peer_failovers_total") == 1
+        record("Failover", "peer answers 503 'nothing reached my backend' to a POST", 1,
+               "sent to the next capable peer with its body; created")
 
 
 async def test_a_plain_503_from_a_peer_is_relayed(aiohttp_server, root):
@@ -140,3 +143,5 @@ async def test_a_watch_through_a_peer_that_stops_answering_ends(aiohttp_server, 
             except aiohttp.ClientPayloadError:
                 pass
             assert loop.time() - began < WAIT / 2
+        record("Failover", "watch through a peer that stops answering polls", 1,
+               f"ended after {loop.time() - began:.1f}s (staleAfter 0.3s)")

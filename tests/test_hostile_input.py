@@ -28,7 +28,6 @@ from daemon_support import (  # root: the module's PKI fixture
     Cluster,
     cluster,
     root,  # noqa: F401
-    status_of,
     synced,
 )
 from hypothesis import HealthCheck, given, settings

@@ -24,6 +24,7 @@ from daemon_support import (  # root: the module's PKI fixture
     status_of,
     synced,
 )
+from reliability import record
 
 SHORT = {"headerReadTimeout": "500ms", "idleTimeout": "500ms"}
 
@@ -78,6 +79,8 @@ async def test_slowloris_connections_are_closed_while_others_are_served(aiohttp_
             writer.close()
         assert await c.metric("mvproxy_refused_requests_total", code="408") == 40
         assert await served(c)
+        record("Resource limits", "slowloris connections (a header byte every 50 ms)", 40,
+               "408 after headerReadTimeout; other clients served meanwhile")
 
 
 async def test_an_idle_connection_is_closed(aiohttp_server, root):
@@ -119,6 +122,7 @@ async def test_a_head_over_max_header_bytes_gets_431(aiohttp_server, root, shape
         assert body_of(answer)["kind"] == "Status"
         assert c.seen == {"backend": [], "peer": []}
         assert await served(c)
+        record("Resource limits", f"request head over maxHeaderBytes ({shape})", 1, "431 Status")
 
 
 async def test_clients_beyond_max_connections_wait_for_a_free_slot(aiohttp_server, root):
@@ -136,3 +140,5 @@ async def test_clients_beyond_max_connections_wait_for_a_free_slot(aiohttp_serve
         writer.close()
         for _, other in held[1:]:
             other.close()
+        record("Resource limits", "connections beyond maxConnections", 1,
+               "waited in the backlog; served once a slot freed")
