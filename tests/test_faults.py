@@ -8,8 +8,8 @@ A. **Discovery faults** (in process, fake upstreams): a peer whose discovery tur
 B. **Process faults** (the demo's real processes: three simulated kube-apiservers
    1.35, 1.36, 1.36 and an mvproxy in front of each): while clients create, get and
    list 1.36-only podgroups and watch them through the 1.35 server's mvproxy, peers'
-   mvproxies are frozen (SIGSTOP) and killed, a peer's backend is killed and comes
-   back as another version. Asserted: no request hangs past the timeouts; reads
+   mvproxies are frozen (SIGSTOP) and killed, a peer's backend is frozen, then killed
+   and comes back as another version. Asserted: no request hangs past the timeouts; reads
    succeed whenever a capable peer is reachable; creates either succeed or fail
    honestly (502/503/504), and every acknowledged create exists exactly once
    (a 409 would mean one was applied twice); watches end instead of stalling; all
@@ -283,7 +283,19 @@ async def phases(demo, load: Load) -> None:
     load.phase = "recovery 2"
     await asyncio.to_thread(demo.start_server, NEW1)
     await settle(3)
-    # 3. a peer's backend killed: that mvproxy says "unserved", the other peer serves
+    # 3. a peer's backend frozen: polls through that peer time out, it is marked
+    #    unreachable, requests held there end and move to the other peer
+    load.phase = "peer backend frozen"
+    backend_pid = demo.server(NEW2).backend.pid
+    os.killpg(backend_pid, signal.SIGSTOP)
+    try:
+        await settle(6)
+    finally:
+        os.killpg(backend_pid, signal.SIGCONT)
+    await asyncio.to_thread(demo.wait_converged)
+    load.phase = "recovery 3"
+    await settle(3)
+    # 4. a peer's backend killed: that mvproxy says "unserved", the other peer serves
     load.phase = "peer backend killed"
     backend = demo.server(NEW2).backend
     os.killpg(backend.pid, signal.SIGKILL)
@@ -294,10 +306,10 @@ async def phases(demo, load: Load) -> None:
     backend.argv[backend.argv.index("--kubernetes-version") + 1] = "1.37"
     await asyncio.to_thread(demo.start_backend, NEW2)
     await settle(3)
-    # 4. now the only capable peer freezes: 503 with Retry-After, promptly
+    # 5. now the only capable peer freezes: 503 with Retry-After, promptly
     await frozen(demo, load, NEW1, NO_CAPABLE_PEER, 8)
     await asyncio.to_thread(demo.wait_converged)
-    load.phase = "recovery 4"
+    load.phase = "recovery 5"
     await settle(3)
 
 
