@@ -174,6 +174,10 @@ def _https_url(value: object, path: str, ctx: _Context) -> str:
         ok = False
     if not ok:
         raise _Invalid(f"must be an https:// URL, got {text!r}")
+    if parts.username is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
+        # Requests keep their own path, and a user:password would land in Host and logs.
+        raise _Invalid(f"must be https://host[:port] with no credentials, path or query, "
+                       f"got {urlsplit(text)._replace(netloc=parts.hostname or '').geturl()!r}")
     return text
 
 

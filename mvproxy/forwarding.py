@@ -60,6 +60,10 @@ REPLAY_LIMIT = 1024 * 1024
 nothing reached its backend (Kubernetes objects are at most ~1.5 MiB; larger bodies
 are not replayed and such a request gets that peer's 503)."""
 HOP_BY_HOP = wire.HOP_BY_HOP
+REFRAMED = frozenset(("content-length", "expect"))
+"""Set by ``forward`` only when it streams the body: a request whose body mvproxy does
+not send (discovery probes, OpenAPI index) must not announce one, or the upstream
+waits for it, or reads the next request on the connection as that body."""
 
 
 def request_headers(fields: wire.Fields, downstream: Downstream, *,
@@ -70,7 +74,7 @@ def request_headers(fields: wire.Fields, downstream: Downstream, *,
     else's are dropped and replaced by what mvproxy verified itself. Names with an
     underscore are dropped (``requestcheck.header_name_forwarded``).
     """
-    dropped = HOP_BY_HOP | wire.connection_tokens(fields)
+    dropped = HOP_BY_HOP | REFRAMED | wire.connection_tokens(fields)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in fields:
         lowered = name.lower()
@@ -127,8 +131,12 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
     only end the stream, so the downstream connection is closed instead.
     """
     fields = list(headers.items())
-    if exchange.chunked and not exchange.upgrade:
-        fields.append(("Transfer-Encoding", "chunked"))
+    if exchange.has_body:  # never an upgrade: the listener refuses upgrades with a body
+        if exchange.chunked:
+            fields.append(("Transfer-Encoding", "chunked"))
+        else:
+            fields.append(("Content-Length", str(exchange.body_length)))
+        fields += [("Expect", value) for value in wire.values(exchange.fields, "expect")]
     if exchange.upgrade:
         fields += [("Connection", "Upgrade"),
                    ("Upgrade", ", ".join(wire.values(exchange.fields, "upgrade")))]
@@ -245,7 +253,7 @@ class _Relay:
         conn = self.conn
         if not data:
             if self._chunked_body:
-                conn.write(wire.last_chunk(self.exchange.trailers))
+                conn.write(wire.LAST_CHUNK)
             self._body_sent = True
             return
         conn.write(wire.chunk(data) if self._chunked_body else data)

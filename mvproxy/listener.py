@@ -53,8 +53,13 @@ log = logging.getLogger(__name__)
 
 BODY_HIGH_WATER = 256 * 1024
 """Request-body bytes held for a consumer before reading from the client pauses."""
-MAX_PIPELINED = 8
+PIPELINE_PAUSE = 2
 """Requests parsed ahead of the one being answered before reading pauses."""
+MAX_PIPELINED = 32
+"""More than this parsed ahead (one read can hold thousands of tiny requests, and llhttp
+parses all it is given): 400 and the connection ends."""
+MAX_HEADER_FIELDS = 1000
+"""Header fields per request head (each costs Python objects far beyond its bytes)."""
 _ACCEPT_BATCH = 32
 TRIM_DELAY = 2.0
 """Seconds after a large drop in connections before freed memory is returned."""
@@ -122,7 +127,6 @@ class Exchange:
         "started",
         "status",
         "target",
-        "trailers",
         "upgrade",
         "version",
     )
@@ -146,7 +150,6 @@ class Exchange:
         self._buffered = 0
         self._sink: Callable[[bytes], None] | None = None
         self._body_done = True
-        self.trailers: wire.Fields = []
         self._copy: list[bytes] | None = None
         self._copy_size = 0
         self._copy_limit = 0
@@ -205,7 +208,7 @@ class Exchange:
 
     def attach_body(self, sink: Callable[[bytes], None]) -> None:
         """Stream the body into ``sink`` from the start (again, after ``detach_body``,
-        if a copy was kept); ``sink(b"")`` marks its end. ``trailers`` is set by then."""
+        if a copy was kept); ``sink(b"")`` marks its end."""
         self._sink = sink
         if self._copy is not None and self._consumed:
             for piece in self._copy:
@@ -268,8 +271,6 @@ class Exchange:
         HTTP/1.0 clients). ``hold`` keeps the head for the first write."""
         if self.started:
             raise RuntimeError("response already started")
-        self.started = True
-        self.status = status
         names = {name.lower() for name, _ in fields}
         if "transfer-encoding" in names:
             if self.version < (1, 1):
@@ -280,7 +281,9 @@ class Exchange:
         if self._close_after or not self.keep_alive or self.conn.closing:
             fields = [*fields, ("Connection", "close")]
             self._close_after = True
-        head = wire.response_head(status, reason, fields)
+        head = wire.response_head(status, reason, fields)  # may raise: nothing started yet
+        self.started = True
+        self.status = status
         if hold:
             self._head_pending = head
         else:
@@ -346,6 +349,9 @@ class DownstreamConnection(asyncio.Protocol):
         self._fields: wire.Fields = []
         self._head_size = 0
         self._in_head = False
+        self._head_bytes = 0
+        self._tail = b""
+        self._deadline_kind = "head"
         self._parsing: Exchange | None = None
         self._active: Exchange | None = None
         self._queue: deque[Exchange] = deque()
@@ -368,7 +374,7 @@ class DownstreamConnection(asyncio.Protocol):
         self.downstream = self.listener.resolve_identity(der)
         self.listener.opened(self)
         # The first request head is due like any other (Go's ReadHeaderTimeout).
-        self.deadline = self.loop.time() + self.listener.limits.header_read_timeout
+        self._expect("head", self.listener.limits.header_read_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -406,7 +412,10 @@ class DownstreamConnection(asyncio.Protocol):
             return
         if not self._in_head and self._parsing is None:
             self._in_head = True
-            self.deadline = self.loop.time() + self.listener.limits.header_read_timeout
+            self._head_bytes, self._tail = 0, b""
+            self._expect("head", self.listener.limits.header_read_timeout)
+        if self._in_head and self._count_head(data):
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -421,10 +430,29 @@ class DownstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refuse(_parse_refusal(exc))
 
+    def _count_head(self, data: bytes) -> bool:
+        """Count head bytes as they arrive (llhttp reports a header only once it ended,
+        so one endless header would otherwise be read without limit); True if refused.
+        ``_tail`` keeps the last bytes of the previous read: a CRLF CRLF may straddle."""
+        joined = self._tail + data
+        end = joined.find(b"\r\n\r\n")
+        if end < 0:
+            self._head_bytes += len(data)
+            self._tail = joined[-3:]
+        else:
+            self._head_bytes += max(0, end + 4 - len(self._tail))
+            self._tail = b""
+        if self._head_bytes > self.listener.limits.max_header_bytes:
+            self._refuse(Refusal(431, "the request head is larger than the "
+                                      f"{self.listener.limits.max_header_bytes}-byte limit"))
+            return True
+        return False
+
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._expect("head", self.listener.limits.header_read_timeout)  # pipelined ones too
         self._url.clear()
         self._fields = []
         self._head_size = 0
@@ -435,6 +463,8 @@ class DownstreamConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._grow(len(name) + len(value) + 4)
+        if len(self._fields) >= MAX_HEADER_FIELDS:
+            raise BadRequest(Refusal(431, f"more than {MAX_HEADER_FIELDS} header fields"))
         self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def _grow(self, size: int) -> None:
@@ -445,6 +475,7 @@ class DownstreamConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_bytes, self._tail = 0, b""  # a head pipelined behind counts afresh
         parser = self._parser
         version = parser.get_http_version()
         exchange = Exchange(self, parser.get_method().decode("latin-1"),
@@ -455,6 +486,10 @@ class DownstreamConnection(asyncio.Protocol):
         refusal = check_request(exchange.version, exchange.target, te)
         if refusal is not None:
             raise BadRequest(refusal)
+        if exchange.method == "CONNECT":
+            raise BadRequest(Refusal(405, "CONNECT is not served"))
+        if exchange.upgrade and (te or wire.first(self._fields, "content-length") not in ("", "0")):
+            raise BadRequest(Refusal(400, "an upgrade request cannot carry a body"))
         if te:
             exchange.chunked = True
             exchange._body_done = False
@@ -470,19 +505,29 @@ class DownstreamConnection(asyncio.Protocol):
         self._parsing = exchange
         self._queue.append(exchange)
         if len(self._queue) > MAX_PIPELINED:
+            raise BadRequest(Refusal(400, f"more than {MAX_PIPELINED} pipelined requests"))
+        if len(self._queue) >= PIPELINE_PAUSE:
             self.pause_reading("pipeline")
-        self.deadline = 0.0
+        if exchange.body_complete:
+            self.deadline = 0.0
+        else:
+            self._expect("body", self.listener.limits.header_read_timeout)
         if self._active is None:
             self._next()
 
     def on_body(self, body: bytes) -> None:
         if self._parsing is not None:
+            self._expect("body", self.listener.limits.header_read_timeout)
             self._parsing._body(body)
 
     def on_message_complete(self) -> None:
         exchange, self._parsing = self._parsing, None
+        if self._deadline_kind == "body":
+            self.deadline = 0.0
         if exchange is not None:
-            exchange.trailers, self._fields = self._fields, []  # llhttp: fields after the body
+            # llhttp reports trailer fields as headers after the body; they are not
+            # forwarded (Kubernetes uses none, and they would skip header filtering).
+            self._fields = []
             exchange._body_end()
 
     def _early_bytes(self, exchange: Exchange, data: bytes) -> None:
@@ -496,8 +541,13 @@ class DownstreamConnection(asyncio.Protocol):
     def _next(self) -> None:
         if not self._queue or self.closing:
             return
+        if self._write_paused:
+            # The client reads nothing: answer its next request once it does.
+            self.when_writable(self._next)
+            return
         exchange = self._active = self._queue.popleft()
-        self.resume_reading("pipeline")
+        if len(self._queue) < PIPELINE_PAUSE:
+            self.resume_reading("pipeline")
         self._task = self.loop.create_task(self.listener.handler(exchange))
         self._task.add_done_callback(lambda task: self._handled(exchange, task))
 
@@ -528,11 +578,16 @@ class DownstreamConnection(asyncio.Protocol):
             return
         if self._queue:
             self._next()
-        else:
+        elif not self._in_head:
             self._idle()
 
     def _idle(self) -> None:
-        self.deadline = self.loop.time() + self.listener.limits.idle_timeout
+        self._expect("idle", self.listener.limits.idle_timeout)
+
+    def _expect(self, kind: str, seconds: float) -> None:
+        """Something (a head, a body byte, a request) must come within ``seconds``."""
+        self._deadline_kind = kind
+        self.deadline = self.loop.time() + seconds
 
     def _refuse(self, refusal: Refusal) -> None:
         """Answer a request that cannot be served (if nothing else is being answered),
@@ -625,13 +680,20 @@ class DownstreamConnection(asyncio.Protocol):
         return False
 
     def expired(self, now: float) -> None:
-        if self._active is not None or self._raw_sink is not None:
+        if self._raw_sink is not None or self.closing:
             return
-        if self._in_head or self._parsing is not None:
-            self._refuse(Refusal(408, "the request head did not arrive within "
-                                      f"{self.listener.limits.header_read_timeout:g}s"))
-        else:
-            self.close()
+        timeout = self.listener.limits.header_read_timeout
+        kind = self._deadline_kind
+        if kind == "head" and self._in_head:
+            self._refuse(Refusal(408, f"the request head did not arrive within {timeout:g}s"))
+        elif kind == "body" and self._parsing is not None:
+            if self._paused_by:
+                self._expect("body", timeout)  # mvproxy stopped reading, not the client
+            else:
+                self._refuse(Refusal(408, f"no request body byte for {timeout:g}s"))
+        elif self._active is None and self._parsing is None and not self._queue \
+                and not self._in_head:
+            self.close()  # idle, or never sent a byte: nothing to say
 
 
 def release_free_memory() -> None:

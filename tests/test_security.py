@@ -9,11 +9,13 @@ loopback port stands for "any host:port": the daemon must never connect to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -264,4 +266,106 @@ async def test_a_certificate_with_several_common_names_gets_401(aiohttp_server, 
         answer = await c.raw(request("/api/v1/namespaces", headers=CLAIMS), who="odd")
         assert status_of(answer) == 401, answer[:300]
         assert "more than one common name" in body_of(answer)["message"]
+        assert c.seen == {"backend": [], "peer": []}
+
+
+# --------------------------------------------------------------------------- review findings
+
+
+async def test_a_pipelining_flood_is_cut_off(aiohttp_server, root):
+    """Thousands of tiny requests in one write, never reading: at most a bounded number
+    is parsed ahead, then 400 and the connection ends; others are served meanwhile."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n" * 5000, who="bearer")
+        statuses = [int(s) for s in answer.split(b"HTTP/1.1 ")[1:] for s in [s[:3]]]
+        assert len(statuses) <= 40 and statuses[-1] == 400, statuses[-3:]
+        assert len(c.seen["backend"]) <= 40
+        status, _, _ = await c.get("/api/v1/namespaces")
+        assert status == 200
+
+
+async def test_an_endless_header_is_cut_off_at_max_header_bytes(aiohttp_server, root):
+    """llhttp reports a header only once it ends: the head is counted as it arrives."""
+    async with cluster(aiohttp_server, root, listener={"maxHeaderBytes": 4096}) as c:
+        await ready(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["bearer"], server_hostname="127.0.0.1")
+        writer.write(b"GET /version HTTP/1.1\r\nX-Big: ")
+        sent = 0
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while sent < 4 * 1024 * 1024:  # far beyond the limit, never ending the header
+                writer.write(b"a" * 16384)
+                await writer.drain()
+                sent += 16384
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert status_of(answer) == 431  # before the header ended: it never does
+
+
+async def test_too_many_header_fields_get_431(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        fields = "".join(f"x{i}: a\r\n" for i in range(1100))
+        assert status_of(await c.raw(request("/version", headers=fields))) == 431
+
+
+async def test_a_body_the_probe_does_not_send_is_not_announced(aiohttp_server, root):
+    """Discovery answers probe the backend without the client's body: announcing its
+    Content-Length made the backend read the next client's request as that body."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        body = b"x" * 40
+        for _ in range(3):
+            await c.raw(request("/apis", headers="Accept: application/json;g=apidiscovery.k8s.io"
+                                                 ";v=v2;as=APIGroupDiscoveryList\r\n"
+                                                 f"Content-Length: {len(body)}\r\n", body=body),
+                        who="bearer")
+        answer = await c.raw(request("/api/v1/namespaces/victim"), who="bearer")
+        assert status_of(answer) == 200
+        assert ("GET", "/api/v1/namespaces/victim") in c.seen["backend"]
+
+
+async def test_an_upgrade_with_a_body_is_refused(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request("/api/v1/namespaces/x", headers="Connection: Upgrade\r\n"
+                                     "Upgrade: websocket\r\nContent-Length: 5\r\n", body=b"hello"))
+        assert status_of(answer) == 400
+        assert c.seen == {"backend": [], "peer": []}
+
+
+async def test_request_trailers_are_not_forwarded(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        smuggle = (b"POST /api/v1/namespaces/default/secrets HTTP/1.1\r\nHost: x\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+                   b"X_Remote_Group: system:masters\r\nX-Remote-User: root\r\n\r\n")
+        assert status_of(await c.raw(smuggle, who="bearer")) == 200
+        echoed = body_of(await c.raw(request("/api/v1/namespaces/victim"), who="bearer"))
+        names = {k.lower() for k, _ in echoed["headers"]}
+        assert not names & {"x_remote_group", "x-remote-user", "x-remote-group"}
+
+
+def reading_create(app: web.Application) -> None:
+    async def create(request: web.Request) -> web.Response:
+        return web.json_response({"read": len(await request.read())}, status=201)
+    app.router.add_post("/api/v1/namespaces/default/secrets", create)
+
+
+async def test_a_body_that_stops_arriving_gets_408(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener={"headerReadTimeout": "500ms"},
+                       backend_routes=reading_create) as c:
+        await ready(c)
+        answer = await c.raw(request("/api/v1/namespaces/default/secrets", method="POST",
+                                     headers="Content-Length: 100\r\n", body=b"0123456789"))
+        assert status_of(answer) == 408
+        assert "no request body byte" in body_of(answer)["message"]
+
+
+async def test_connect_is_refused_whatever_its_target(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request("/api/v1/namespaces", method="CONNECT"))
+        assert status_of(answer) == 405
         assert c.seen == {"backend": [], "peer": []}
