@@ -223,13 +223,13 @@ async def _drain(daemon: Daemon, listener: Listener) -> None:
     listener.stop_accepting()
     listener.close_idle()
     log.info("shutting down; draining in-flight requests",
-             extra=kv(in_flight=daemon.proxy.in_flight(), grace_seconds=grace))
+             extra=kv(in_flight=listener.in_flight(), grace_seconds=grace))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while daemon.proxy.in_flight() and loop.time() < deadline:
+    while listener.in_flight() and loop.time() < deadline:
         await asyncio.sleep(min(_DRAIN_CHECK, max(0.0, deadline - loop.time())))
         listener.close_idle()
-    cancelled = daemon.proxy.cancel_in_flight()
+    cancelled = listener.cancel_in_flight()
     if cancelled:
         log.info("grace period over; ended the requests still open",
                  extra=kv(ended=cancelled))

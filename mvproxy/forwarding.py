@@ -177,30 +177,33 @@ class _StaleConnection(Exception):
 async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, head: bytes,
                     transport: Transport, long_running: bool) -> None:
     upstream = pool.upstream
-    relay = _Relay(exchange, conn, check_unserved=upstream.is_peer)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + transport.request_timeout
+    loop = transport.loop
+    relay = _Relay(exchange, conn, loop, check_unserved=upstream.is_peer)
+    deadlines = transport.deadlines
+    deadlines.add(relay, loop.time() + transport.request_timeout, relay.expire, loop)
     conn.send(head, relay, method=exchange.method)
     if exchange.has_body and not exchange.upgrade:
         exchange.attach_body(relay.body_sink)
     released = False
     try:
         try:
-            async with asyncio.timeout_at(deadline):
-                await relay.head
-        except UpstreamError as exc:
+            await relay.head
+        except UpstreamError as error:
+            cause: UpstreamError = error
             if conn.reset and not conn.received:
-                exc = UpstreamUnreachable(upstream.name, "stopped answering; polling found it "
-                                                         "unreachable")
-            elif (isinstance(exc, UpstreamProtocolError) and not conn.received
+                cause = UpstreamUnreachable(upstream.name, "stopped answering; polling found "
+                                                           "it unreachable")
+            elif (isinstance(error, UpstreamProtocolError) and not conn.received
                   and conn.requests > 1 and exchange.method in IDEMPOTENT):
-                raise _StaleConnection() from exc
-            raise ForwardError(exc, retryable=_may_resend(
-                exc, exchange.method, not exchange.replayable())) from exc
-        except TimeoutError as exc:
+                raise _StaleConnection() from error
+            raise ForwardError(cause, retryable=_may_resend(
+                cause, exchange.method, not exchange.replayable())) from error
+        except _TimedOut as exc:
             cause = UpstreamTimeout(upstream.name, "timed out waiting for the response")
             raise ForwardError(cause, retryable=_may_resend(
                 cause, exchange.method, exchange.body_started)) from exc
+        if long_running:
+            deadlines.discard(relay)  # a watch may stay open for hours
         if relay.upgraded is not None:
             released = True  # the tunnel owns the connection now
             pool.forget(conn)
@@ -208,9 +211,8 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
                                relay.upgraded)
             return
         try:
-            async with asyncio.timeout_at(None if long_running else deadline):
-                await relay.done
-        except (UpstreamError, TimeoutError) as exc:
+            await relay.done
+        except (UpstreamError, _TimedOut) as exc:
             log.log(V(3), "stream ended early; closing the downstream connection",
                     extra=kv(upstream=upstream.name, error=str(exc)[:200]))
             exchange.abort()
@@ -222,16 +224,21 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             released = True
             pool.release(conn)
     finally:
+        deadlines.discard(relay)
         exchange.detach_body()
         if not released:
             pool.discard(conn)
 
 
+class _TimedOut(Exception):
+    """The request's deadline passed (``Transport.deadlines``)."""
+
+
 class _Relay:
     """Moves one upstream response to the downstream exchange (a ResponseHandler)."""
 
-    def __init__(self, exchange: Exchange, conn: UpstreamConnection, *, check_unserved: bool):
-        loop = asyncio.get_running_loop()
+    def __init__(self, exchange: Exchange, conn: UpstreamConnection,
+                 loop: asyncio.AbstractEventLoop, *, check_unserved: bool):
         self.exchange = exchange
         self.conn = conn
         self.check_unserved = check_unserved
@@ -300,6 +307,10 @@ class _Relay:
     def on_upgrade(self, early: bytes) -> None:
         self.upgraded = early
         self._settle(self.head, None)
+
+    def expire(self) -> None:
+        """The request timeout passed: whichever wait is current ends with _TimedOut."""
+        self._settle(self.head if not self.head.done() else self.done, _TimedOut())
 
     def on_error(self, error: UpstreamError) -> None:
         if not self.head.done():

@@ -9,7 +9,6 @@ cache (``discoveryhandler``). Failures to reach an upstream become Kubernetes
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -53,27 +52,17 @@ class Proxy:
     rng: random.Random
     retry_after: int
     """Seconds a 503 asks clients to wait: about one discovery poll interval."""
-    _active: set[asyncio.Task] = field(default_factory=set)
+    _by_route: dict[str, tuple] = field(default_factory=dict)
+    """Per route: the in-flight gauge and duration histogram children, resolved once."""
 
-    def in_flight(self) -> int:
-        return len(self._active)
-
-    def cancel_in_flight(self) -> int:
-        """End every request still being served (shutdown after the grace period)."""
-        for task in self._active:
-            task.cancel()
-        return len(self._active)
+    def _route_metrics(self, route: str) -> tuple:
+        found = self._by_route.get(route)
+        if found is None:
+            found = self._by_route[route] = (self.metrics.inflight_requests.labels(route),
+                                             self.metrics.request_duration.labels(route))
+        return found
 
     async def handle(self, exchange: Exchange) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._active.add(task)
-        try:
-            await self._handle(exchange)
-        finally:
-            self._active.discard(task)
-
-    async def _handle(self, exchange: Exchange) -> None:
         downstream = exchange.downstream
         if downstream.kind == REFUSED:
             reply(exchange, status_reply(401, downstream.reason))
@@ -89,7 +78,8 @@ class Proxy:
                                              peers=",".join(decision.peers)))
         route = decision.route
         started = time.perf_counter()
-        self.metrics.inflight_requests.labels(route).inc()
+        inflight, duration = self._route_metrics(route)
+        inflight.inc()
         try:
             if route == routing.DISCOVERY:
                 await self.discovery.handle(exchange, info)
@@ -100,8 +90,8 @@ class Proxy:
             else:
                 await self._forward(exchange, downstream, info, decision, route)
         finally:
-            self.metrics.inflight_requests.labels(route).dec()
-            self.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+            inflight.dec()
+            duration.observe(time.perf_counter() - started)
 
     async def _forward(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
                        decision: routing.Decision, route: str) -> None:

@@ -671,6 +671,14 @@ class DownstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
     def close_if_idle(self) -> bool:
         """Close now if no request is in progress (shutdown); True if it was idle."""
         if self._active is None and self._parsing is None and not self._queue:
@@ -790,6 +798,17 @@ class Listener:
     @property
     def open_connections(self) -> int:
         return len(self.connections) + self._pending
+
+    def in_flight(self) -> int:
+        """Requests being handled now (for the shutdown drain)."""
+        return sum(1 for conn in self.connections if conn.busy)
+
+    def cancel_in_flight(self) -> int:
+        """End every request still being handled (shutdown after the grace period)."""
+        busy = [conn for conn in self.connections if conn.busy]
+        for conn in busy:
+            conn.cancel()
+        return len(busy)
 
     # ---------------------------------------------------------------- accepting
 

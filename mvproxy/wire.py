@@ -73,14 +73,14 @@ def first(fields: Fields, name: str, default: str = "") -> str:
 
 
 def encode_fields(fields: Iterable[tuple[str, str]]) -> bytes:
-    parts = []
-    for name, value in fields:
-        line = f"{name}: {value}\r\n"
-        if any(c in name or c in value for c in _UNSAFE):
-            raise UnsafeHeader(f"header {name[:40]!r} holds a line break or NUL")
-        parts.append(line)
+    fields = list(fields)
+    text = "".join([f"{name}: {value}\r\n" for name, value in fields])
+    # Each field adds exactly one CR LF: any other CR, LF or NUL came from a name or value.
+    if text.count("\r") != len(fields) or text.count("\n") != len(fields) or "\0" in text:
+        bad = next((n for n, v in fields if any(c in n + v for c in _UNSAFE)), "?")
+        raise UnsafeHeader(f"header {bad[:40]!r} holds a line break or NUL")
     try:
-        return "".join(parts).encode("latin-1")
+        return text.encode("latin-1")
     except UnicodeEncodeError:
         raise UnsafeHeader("a header holds characters outside Latin-1") from None
 
