@@ -1,0 +1,650 @@
+#!/usr/bin/env python3
+"""mvproxy against nginx, measured side by side in one run (issue 9's benchmark).
+
+    python3 bench/run.py [--rounds 3] [--duration 10] [--quick]
+
+Starts on 127.0.0.1 only:
+
+- **backend**: nginx, one worker, serving static Kubernetes-shaped JSON over mTLS (a
+  453-byte ConfigMap, a 64 KiB ConfigMapList, discovery documents) on two ports, one
+  per control-plane member ("a" lacks the 1.36-only podgroups, "b" has them), plus the
+  merged ``/apis`` document as a static file on a third;
+- **nginx as a TLS reverse proxy** (the reference): mTLS in, mTLS to the backend,
+  keep-alive pool, one worker;
+- **mvproxy** "a" in front of backend "a", and mvproxy "b" in front of "b", so a
+  podgroups request to "a" takes the peer route (two mvproxy hops, pooled).
+
+Load comes from wrk (client certificate through ``clientcert_shim.c`` preloaded),
+keep-alive, 32 connections. Layout, as in ``perf-anchors.md``: the proxy under test
+runs alone on CPU 0, wrk and the backend share CPU 1; CPU time is read from /proc
+(utime + stime of every process of the target). Each scenario runs in every round,
+rounds alternate the order, ratios compare with nginx *in the same round*; the table
+shows medians and min–max. CPU efficiency × nginx = nginx's CPU per request / the
+target's. Writes ``bench/results/run.json`` and ``bench/results/ratios.png``.
+
+Installs what it needs (Debian: nginx-light, wrk, gcc; PyPI: matplotlib into the
+running interpreter's environment), stops every process it started by PID (also on
+Ctrl-C), and is bounded by ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PROXY_CPU, LOAD_CPU = 0, 1
+AGGREGATED = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+CM_PATH = "/api/v1/namespaces/default/configmaps/bench"
+LIST_PATH = "/api/v1/namespaces/default/configmaps"
+PG_PATH = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups/bench"
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def ensure_tools() -> None:
+    """nginx, wrk and gcc from Debian, without starting Debian's own nginx service."""
+    missing = [pkg for tool, pkg in (("nginx", "nginx-light"), ("wrk", "wrk"), ("gcc", "gcc"))
+               if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise SystemExit(f"bench: needs {', '.join(missing)} (apt-get install {' '.join(missing)})")
+    policy = Path("/usr/sbin/policy-rc.d")
+    created = not policy.exists()
+    if created:
+        policy.write_text("#!/bin/sh\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", *missing], check=True, env=env,
+                       timeout=900, stdout=subprocess.DEVNULL)
+    finally:
+        if created:
+            policy.unlink()
+
+
+def ensure_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"],
+                              timeout=600)
+        return done.returncode == 0
+
+
+def build_shim(work: Path) -> Path:
+    out = work / "clientcert_shim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(out),
+                    str(HERE / "clientcert_shim.c"), "-ldl"], check=True, timeout=120)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pin(cpu: int):
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def configmap() -> bytes:
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "bench", "namespace": "default", "uid": "6f2c1b9e-3c1d-4a8e-9d1e-1f2b3c4d5e6f",
+        "resourceVersion": "123456", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "data": {"config.yaml": "x" * 200}}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    return raw + b" " * max(0, 453 - len(raw))
+
+
+def configmap_list() -> bytes:
+    items, size = [], 0
+    while size < 65_000:
+        item = {"metadata": {"name": f"cm-{len(items)}", "namespace": "default",
+                             "resourceVersion": str(1000 + len(items))},
+                "data": {"k": "v" * 300}}
+        items.append(item)
+        size += len(json.dumps(item)) + 1
+    return json.dumps({"apiVersion": "v1", "kind": "ConfigMapList",
+                       "metadata": {"resourceVersion": "9999"}, "items": items},
+                      separators=(",", ":")).encode()
+
+
+def discovery(core: bool, podgroups: bool) -> bytes:
+    def resource(name: str, kind: str) -> dict:
+        return {"resource": name, "responseKind": {"group": "", "version": "", "kind": kind},
+                "scope": "Namespaced", "singularResource": name[:-1], "verbs":
+                ["create", "delete", "get", "list", "patch", "update", "watch"]}
+    if core:
+        items = [{"metadata": {}, "versions": [{"version": "v1", "freshness": "Current",
+                                                "resources": [resource("configmaps", "ConfigMap"),
+                                                              resource("namespaces", "Namespace")]}]}]
+    else:
+        items = [{"metadata": {"name": "apps"}, "versions": [
+            {"version": "v1", "freshness": "Current",
+             "resources": [resource("deployments", "Deployment")]}]}]
+        if podgroups:
+            items.append({"metadata": {"name": "scheduling.k8s.io"}, "versions": [
+                {"version": "v1alpha2", "freshness": "Current",
+                 "resources": [resource("podgroups", "PodGroup")]}]})
+    return json.dumps({"kind": "APIGroupDiscoveryList", "apiVersion": "apidiscovery.k8s.io/v2",
+                       "metadata": {}, "items": items}).encode()
+
+
+def write_roots(work: Path) -> dict[str, Path]:
+    roots = {}
+    for member, podgroups in (("a", False), ("b", True)):
+        root = work / f"www-{member}"
+        # files whose path is also a directory's live beside the tree ("_" + name)
+        for target, body in ((root / CM_PATH.lstrip("/"), configmap()),
+                             (root / "_list", configmap_list()),
+                             (root / "_api", discovery(True, podgroups)),
+                             (root / "_apis", discovery(False, podgroups))):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(body)
+        if podgroups:
+            (root / PG_PATH.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (root / PG_PATH.lstrip("/")).write_bytes(configmap())
+        roots[member] = root
+    roots["static"] = work / "www-static"
+    roots["static"].mkdir()
+    return roots
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def backend_conf(work: Path, pki: Path, roots: dict[str, Path], ports: dict[str, int]) -> Path:
+    servers = []
+    for member in ("a", "b", "static"):
+        verify = "optional" if member != "static" else "on"
+        ca = pki / ("front-proxy-ca.crt" if member != "static" else "ca.crt")
+        servers.append(f"""
+    server {{
+        listen 127.0.0.1:{ports[member]} ssl;
+        ssl_certificate {pki}/a/apiserver.crt;
+        ssl_certificate_key {pki}/a/apiserver.key;
+        ssl_client_certificate {ca};
+        ssl_verify_client {verify};
+        root {roots[member]};
+        location = /api {{ default_type "{AGGREGATED}"; try_files /_api =404; }}
+        location = /apis {{ default_type "{AGGREGATED}"; try_files /_apis /apis =404; }}
+        location = {LIST_PATH} {{ default_type application/json; try_files /_list =404; }}
+        location / {{ default_type application/json; }}
+    }}""")
+    return _nginx_conf(work, "backend", "\n".join(servers))
+
+
+def proxy_conf(work: Path, pki: Path, ports: dict[str, int]) -> Path:
+    server = f"""
+    upstream backend_a {{ server 127.0.0.1:{ports['a']}; keepalive 512; }}
+    server {{
+        listen 127.0.0.1:{ports['nginx']} ssl;
+        ssl_certificate {pki}/a/mvproxy.crt;
+        ssl_certificate_key {pki}/a/mvproxy.key;
+        ssl_client_certificate {pki}/ca.crt;
+        ssl_verify_client on;
+        location / {{
+            proxy_pass https://backend_a;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_ssl_certificate {pki}/a/front-proxy-client.crt;
+            proxy_ssl_certificate_key {pki}/a/front-proxy-client.key;
+            proxy_ssl_trusted_certificate {pki}/ca.crt;
+            proxy_ssl_verify on;
+            proxy_ssl_name localhost;  # nginx matches DNS names only
+            proxy_ssl_session_reuse on;
+            proxy_buffers 16 16k;
+            proxy_buffer_size 16k;
+        }}
+    }}"""
+    return _nginx_conf(work, "proxy", server)
+
+
+def _nginx_conf(work: Path, name: str, servers: str) -> Path:
+    prefix = work / f"nginx-{name}"
+    prefix.mkdir(exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+master_process on;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nodelay on;
+    keepalive_requests 100000000;
+    keepalive_timeout 300s;
+    open_file_cache max=100;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    {servers}
+}}
+""")
+    return conf
+
+
+def mvproxy_conf(work: Path, pki: Path, member: str, ports: dict[str, int]) -> Path:
+    import yaml
+    other = "b" if member == "a" else "a"
+    doc = {
+        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
+        "serverID": member, "bindAddress": "127.0.0.1", "securePort": ports[f"mv{member}"],
+        "tlsCertFile": str(pki / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(pki / "a" / "mvproxy.key"),
+        "clientCAFile": str(pki / "ca.crt"),
+        "backend": {"url": f"https://127.0.0.1:{ports[member]}", "caFile": str(pki / "ca.crt"),
+                    "certFile": str(pki / "a" / "front-proxy-client.crt"),
+                    "keyFile": str(pki / "a" / "front-proxy-client.key")},
+        "peer": {"caFile": str(pki / "ca.crt"), "clientCAFile": str(pki / "front-proxy-ca.crt"),
+                 "certFile": str(pki / "a" / "front-proxy-client.crt"),
+                 "keyFile": str(pki / "a" / "front-proxy-client.key")},
+        "peers": {"static": [{"serverID": other,
+                              "url": f"https://127.0.0.1:{ports['mv' + other]}"}]},
+        "admin": {"bindAddress": "127.0.0.1", "port": ports[f"admin{member}"]},
+        "logging": {"verbosity": 1},
+        "listener": {"idleTimeout": "10m"},
+    }
+    path = work / f"mvproxy-{member}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Processes:
+    """Everything started, stopped by PID (and process group) on exit."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], cpu: int, log: Path, env: dict | None = None
+              ) -> subprocess.Popen:
+        out = open(log, "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=pin(cpu),
+                                start_new_session=True, env=env)
+        out.close()
+        self.started.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.started):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def group_pids(leader: int) -> list[int]:
+    """The leader and every process in its session (nginx's workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == leader or int(entry.name) == leader:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def wait_ready(url: str, ctx: ssl.SSLContext, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, context=ctx, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.2)
+    raise SystemExit(f"bench: {url} never answered 200")
+
+
+def fetch(url: str, ctx: ssl.SSLContext, accept: str) -> bytes:
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, context=ctx, timeout=10) as resp:
+        return resp.read()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Run:
+    scenario: str
+    target: str
+    round: int
+    rps: float
+    cpu_us: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    bytes_per_response: float
+
+
+@dataclass
+class Bench:
+    work: Path
+    shim: Path
+    pki: Path
+    duration: float
+    warmup: float
+    runs: list[Run] = field(default_factory=list)
+
+    def wrk(self, url: str, connections: int, seconds: float, headers: list[str]) -> dict:
+        argv = ["wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s",
+                "-s", str(HERE / "wrk_report.lua")]
+        for header in headers:
+            argv += ["-H", header]
+        env = {**os.environ, "LD_PRELOAD": str(self.shim),
+               "BENCH_CLIENT_CERT": str(self.pki / "admin.crt"),
+               "BENCH_CLIENT_KEY": str(self.pki / "admin.key")}
+        done = subprocess.run(argv + [url], capture_output=True, text=True, env=env,
+                              preexec_fn=pin(LOAD_CPU), timeout=seconds + 60)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise SystemExit(f"bench: wrk failed on {url}: {done.stdout[-500:]} {done.stderr[-500:]}")
+        return json.loads(lines[-1])
+
+    def measure(self, scenario: str, target: str, round_: int, url: str, pids: list[int],
+                *, connections: int = 32, headers: list[str] = ()) -> Run:
+        self.wrk(url, connections, self.warmup, list(headers))
+        before = cpu_seconds(pids)
+        result = self.wrk(url, connections, self.duration, list(headers))
+        cpu = cpu_seconds(pids) - before
+        requests = max(1, result["requests"])
+        errors = sum(result[k] for k in ("connect_errors", "read_errors", "write_errors",
+                                         "status_errors", "timeouts"))
+        run = Run(scenario, target, round_, requests / (result["duration_us"] / 1e6),
+                  cpu / requests * 1e6, result["p50_us"] / 1e3, result["p99_us"] / 1e3,
+                  errors, result["bytes"] / requests)
+        self.runs.append(run)
+        print(f"  round {round_} {scenario:10} {target:16} {run.rps:9.0f} req/s "
+              f"{run.cpu_us:7.1f} µs/req  p99 {run.p99_ms:6.2f} ms  errors {errors}", flush=True)
+        return run
+
+
+SCENARIOS = {
+    # scenario: [(target, url key, pids key, headers)]
+    "small": [("nginx", "nginx", "nginx", ()), ("mvproxy", "mva", "mva", ())],
+    "large": [("nginx", "nginx", "nginx", ()), ("mvproxy", "mva", "mva", ())],
+    "handshake": [("nginx", "nginx", "nginx", ("Connection: close",)),
+                  ("mvproxy", "mva", "mva", ("Connection: close",))],
+    "peer": [("mvproxy local", "mva", "mva", ()), ("mvproxy peer", "mva", "mvab", ())],
+    "discovery": [("nginx static", "static", "backend", (f"Accept: {AGGREGATED}",)),
+                  ("mvproxy merged", "mva", "mva", (f"Accept: {AGGREGATED}",))],
+}
+PATHS = {"small": CM_PATH, "large": LIST_PATH, "handshake": CM_PATH, "discovery": "/apis"}
+
+
+def run_all(args: argparse.Namespace, work: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from mvproxy import pki as pki_mod
+
+    ensure_tools()
+    work.chmod(0o755)  # nginx's workers drop to an unprivileged user and read the files
+    shim = build_shim(work)
+    pki = work / "pki"
+    pki_mod.init_pki(pki, ["a"], days=2)
+    roots = write_roots(work)
+    ports = {k: free_port() for k in ("a", "b", "static", "nginx", "mva", "mvb", "admina",
+                                      "adminb")}
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    procs = Processes()
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    ctx.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+    try:
+        backend = procs.start([nginx, "-c", str(backend_conf(work, pki, roots, ports))],
+                              LOAD_CPU, work / "backend.log")
+        proxy = procs.start([nginx, "-c", str(proxy_conf(work, pki, ports))], PROXY_CPU,
+                            work / "nginx-proxy.log")
+        mvs = {m: procs.start([sys.executable, "-m", "mvproxy", "run", "--config",
+                               str(mvproxy_conf(work, pki, m, ports))], PROXY_CPU,
+                              work / f"mvproxy-{m}.log",
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for m in ("a", "b")}
+        wait_ready(f"https://127.0.0.1:{ports['nginx']}{CM_PATH}", ctx)
+        for member in ("a", "b"):
+            wait_ready(f"http://127.0.0.1:{ports['admin' + member]}/readyz", None)
+        merged = fetch(f"https://127.0.0.1:{ports['mva']}/apis", ctx, AGGREGATED)
+        (roots["static"] / "apis").write_bytes(merged)
+        pids = {"nginx": group_pids(proxy.pid), "mva": [mvs["a"].pid],
+                "mvab": [mvs["a"].pid, mvs["b"].pid], "backend": group_pids(backend.pid)}
+        urls = {"nginx": f"https://127.0.0.1:{ports['nginx']}",
+                "mva": f"https://127.0.0.1:{ports['mva']}",
+                "static": f"https://127.0.0.1:{ports['static']}"}
+        bench = Bench(work, shim, pki, args.duration, args.warmup)
+        rss_start = rss_kib(mvs["a"].pid)
+        scenarios = [s for s in SCENARIOS if s in args.scenarios]
+        for round_ in range(1, args.rounds + 1):
+            order = scenarios if round_ % 2 else list(reversed(scenarios))
+            for scenario in order:
+                targets = SCENARIOS[scenario] if round_ % 2 else list(reversed(SCENARIOS[scenario]))
+                for target, url_key, pid_key, headers in targets:
+                    path = PATHS.get(scenario) or (PG_PATH if "peer" in target else CM_PATH)
+                    bench.measure(scenario, target, round_, urls[url_key] + path, pids[pid_key],
+                                  headers=headers)
+        rss_end = rss_kib(mvs["a"].pid)
+        profile = profile_local(bench, urls["mva"] + CM_PATH, mvs["a"].pid, work) \
+            if args.profile else []
+        return summarize(bench.runs, rss_start, rss_end, profile)
+    finally:
+        procs.stop()
+
+
+def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
+    """py-spy's top functions of mvproxy under the small-GET load (skipped without py-spy)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], timeout=600)
+    if not Path(spy).exists():
+        return ["py-spy not available"]
+    raw = work / "profile.raw"
+    recorder = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", "5",
+                                 "--rate", "500", "--format", "raw", "--output", str(raw)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bench.wrk(url, 32, 6, [])
+    recorder.wait(60)
+    if not raw.exists():
+        return ["py-spy could not attach (ptrace not permitted?)"]
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        total += int(count)
+        frame = stack.split(";")[-1]
+        own[frame] = own.get(frame, 0) + int(count)
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:15]
+    return [f"{n / total * 100:5.1f}% {frame}" for frame, n in top]
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _median_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def summarize(runs: list[Run], rss_start: int, rss_end: int, profile: list[str]) -> dict:
+    reference = {"small": "nginx", "large": "nginx", "handshake": "nginx",
+                 "peer": "mvproxy local", "discovery": "nginx static"}
+    rows = []
+    for scenario in dict.fromkeys(r.scenario for r in runs):
+        ref = reference[scenario]
+        by_round_ref = {r.round: r for r in runs if r.scenario == scenario and r.target == ref}
+        for target in dict.fromkeys(r.target for r in runs if r.scenario == scenario):
+            mine = [r for r in runs if r.scenario == scenario and r.target == target]
+            rps_ratio = [r.rps / by_round_ref[r.round].rps for r in mine]
+            cpu_ratio = [by_round_ref[r.round].cpu_us / r.cpu_us for r in mine]
+            rows.append({
+                "scenario": scenario, "target": target, "reference": ref,
+                "rps": _median_range([r.rps for r in mine]),
+                "cpu_us": _median_range([r.cpu_us for r in mine]),
+                "p50_ms": statistics.median(r.p50_ms for r in mine),
+                "p99_ms": statistics.median(r.p99_ms for r in mine),
+                "rps_ratio": _median_range(rps_ratio),
+                "cpu_efficiency": _median_range(cpu_ratio),
+                "errors": sum(r.errors for r in mine),
+                "bytes_per_response": statistics.median(r.bytes_per_response for r in mine),
+            })
+    return {"rows": rows, "runs": [r.__dict__ for r in runs],
+            "mvproxy_rss_kib": {"start": rss_start, "end": rss_end},
+            "profile_top": profile, "when": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+
+
+TARGETS = [
+    ("small", "mvproxy", "cpu_efficiency", 0.5, "local small GET, CPU efficiency × nginx ≥ 0.5"),
+    ("large", "mvproxy", "cpu_efficiency", 0.85, "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
+    ("handshake", "mvproxy", "cpu_efficiency", 0.8, "mTLS handshake per request, × nginx ≥ 0.8"),
+    ("peer", "mvproxy peer", "rps_ratio", 0.5, "peer route req/s ≥ 0.5 × local route"),
+    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5, "merged /apis, × nginx serving the file ≥ 0.5"),
+]
+
+
+def render(result: dict) -> str:
+    def span(m: tuple[float, float, float], fmt: str) -> str:
+        return f"{m[0]:{fmt}} ({m[1]:{fmt}}–{m[2]:{fmt}})"
+    lines = ["| scenario | target | req/s | × ref req/s | CPU µs/req | CPU efficiency × ref "
+             "| p50 / p99 ms | errors |", "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['scenario']} | {row['target']} | {span(row['rps'], '.0f')} | "
+                     f"{span(row['rps_ratio'], '.2f')} | {span(row['cpu_us'], '.0f')} | "
+                     f"{span(row['cpu_efficiency'], '.2f')} | {row['p50_ms']:.2f} / "
+                     f"{row['p99_ms']:.2f} | {row['errors']} |")
+    lines += ["", "| target | median | met |", "|---|---|---|"]
+    index = {(r["scenario"], r["target"]): r for r in result["rows"]}
+    for scenario, target, metric, bar, text in TARGETS:
+        row = index.get((scenario, target))
+        if row:
+            value = row[metric][0]
+            lines.append(f"| {text} | {value:.2f} | {'yes' if value >= bar else 'no'} |")
+    small = index.get(("small", "mvproxy")), index.get(("small", "nginx"))
+    if all(small):
+        ok = small[0]["p99_ms"] <= 3 * small[1]["p99_ms"]
+        lines.append(f"| p99 at 32 connections ≤ 3 × nginx's | {small[0]['p99_ms']:.2f} vs "
+                     f"{small[1]['p99_ms']:.2f} ms | {'yes' if ok else 'no'} |")
+    rss = result["mvproxy_rss_kib"]
+    growth = (rss["end"] - rss["start"]) / max(1, rss["start"]) * 100
+    total = sum(r["rps"] * 0 + 1 for r in result["runs"])
+    lines.append(f"| mvproxy RSS growth over the run ({total} runs) | {growth:+.1f} % | "
+                 f"{'yes' if growth < 10 else 'no'} |")
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: Path) -> bool:
+    if not ensure_matplotlib():
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["rows"] if r["target"] != r["reference"]]
+    labels = [f"{r['scenario']}\n{r['target']}" for r in rows]
+    values = [r["cpu_efficiency"][0] if r["scenario"] != "peer" else r["rps_ratio"][0]
+              for r in rows]
+    errs = [[v - (r["cpu_efficiency"][1] if r["scenario"] != "peer" else r["rps_ratio"][1])
+             for v, r in zip(values, rows)],
+            [(r["cpu_efficiency"][2] if r["scenario"] != "peer" else r["rps_ratio"][2]) - v
+             for v, r in zip(values, rows)]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(labels, values, yerr=errs, color="#4a78b0", capsize=4)
+    ax.axhline(1.0, color="#888", linewidth=1)
+    ax.axhline(0.5, color="#c44", linewidth=1, linestyle="--")
+    ax.set_ylabel("× reference (CPU efficiency; peer: req/s)")
+    ax.set_title("mvproxy vs nginx, same run, median of rounds (min–max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 s: a smoke test")
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.duration, args.warmup = 1, 3.0, 1.0
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("bench: needs two CPUs (the proxy alone on one)")
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit("bench: timed out")))
+    signal.alarm(int(args.timeout))
+    with tempfile.TemporaryDirectory(prefix="mvproxy-bench-") as tmp:
+        try:
+            result = run_all(args, Path(tmp))
+        except SystemExit:
+            for log in sorted(Path(tmp).rglob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            raise
+    table = render(result)
+    print("\n" + table)
+    if result["profile_top"]:
+        print("\nmvproxy profile, small GET (own time, top frames):")
+        print("\n".join(result["profile_top"]))
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    result["table"] = table
+    (out / "run.json").write_text(json.dumps(result, indent=2) + "\n")
+    if chart(result, out / "ratios.png"):
+        print(f"\nwrote {out / 'run.json'} and {out / 'ratios.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
