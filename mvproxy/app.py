@@ -180,7 +180,8 @@ async def running(daemon: Daemon):
     """Listeners and the poller up; yields (proxy port, admin port); stops everything."""
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
-    listener = Listener(handler=daemon.proxy.handle, limits=daemon.limits,
+    listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
+                        limits=daemon.limits,
                         ssl_context=daemon.listener_ssl,
                         resolve_identity=daemon.identity.resolve,
                         anonymous=ANONYMOUS_DOWNSTREAM,

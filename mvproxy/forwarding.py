@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from multidict import CIMultiDict
 
@@ -36,15 +38,9 @@ from mvproxy.errors import (
     UpstreamUnreachable,
     UpstreamUnserved,
 )
-from mvproxy.identity import (
-    PEER_PROXIED,
-    Downstream,
-    identity_headers,
-    is_identity_header,
-)
+from mvproxy.identity import PEER_PROXIED, REMOTE_PREFIX, Downstream, identity_headers
 from mvproxy.listener import Exchange
 from mvproxy.logs import V, kv
-from mvproxy.requestcheck import header_name_forwarded
 from mvproxy.transport import Pool, Transport, Upstream, UpstreamConnection
 
 log = logging.getLogger(__name__)
@@ -66,25 +62,53 @@ not send (discovery probes, OpenAPI index) must not announce one, or the upstrea
 waits for it, or reads the next request on the connection as that body."""
 
 
+@dataclass(frozen=True)
+class _Names:
+    """The names the header filter compares with, as text or as bytes."""
+
+    dropped: frozenset
+    underscore: str | bytes
+    connection: str | bytes
+    comma: str | bytes
+    remote_prefix: str | bytes
+    peer_proxied: str | bytes
+    remote_user: str | bytes
+
+
+def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> list:
+    """(lowercased name, name, value) of the client's fields that go upstream.
+
+    Hop-by-hop fields, those ``Connection`` names, framing (set by ``forward``) and
+    names with an underscore are dropped; identity fields too unless a peer sent them
+    (it vouches for the user), and a peer's marker when it goes to another peer (set
+    again, once). One pass; a second only if ``Connection`` names some.
+    """
+    kept = []
+    tokens = None
+    for name, value in fields:
+        lowered = name.lower()
+        if lowered in n.dropped or n.underscore in lowered:
+            if lowered == n.connection:
+                tokens = (tokens or set()) | {t.strip().lower() for t in value.split(n.comma)}
+            continue
+        if lowered.startswith(n.remote_prefix) or lowered == n.peer_proxied:
+            if not peer or (to_peer and lowered == n.peer_proxied):
+                continue
+        kept.append((lowered, name, value))
+    if tokens:
+        kept = [item for item in kept if item[0] not in tokens]
+    return kept
+
+
 def request_headers(fields: wire.Fields, downstream: Downstream, *,
                     to_peer: bool) -> CIMultiDict[str]:
     """Headers for the upstream: end-to-end ones, identity as ``identity`` allows.
 
     A peer's own identity headers pass through (it vouches for the user); anyone
-    else's are dropped and replaced by what mvproxy verified itself. Names with an
-    underscore are dropped (``requestcheck.header_name_forwarded``).
+    else's are dropped and replaced by what mvproxy verified itself (``_kept``).
     """
-    dropped = HOP_BY_HOP | REFRAMED | wire.connection_tokens(fields)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in fields:
-        lowered = name.lower()
-        if lowered in dropped or not header_name_forwarded(lowered):
-            continue
-        if is_identity_header(lowered) and not downstream.is_peer:
-            continue
-        if lowered == PEER_PROXIED and to_peer:
-            continue  # set below, exactly once
-        out.add(name, value)
+    out: CIMultiDict[str] = CIMultiDict(
+        [(name, value) for _, name, value in _kept(fields, downstream.is_peer, to_peer, _TEXT)])
     for name, value in identity_headers(downstream):
         out.add(name, value)
     if to_peer:
@@ -92,6 +116,35 @@ def request_headers(fields: wire.Fields, downstream: Downstream, *,
         if AUDIT_ID not in out:
             out[AUDIT_ID] = str(uuid.uuid4())
     return out
+
+
+def backend_head(exchange: Exchange, authority: bytes) -> tuple[bytes, bool]:
+    """The request head for the backend, built from the client's raw fields with the
+    same rules as ``request_headers`` (the hot path: nothing is decoded), and whether
+    it asserts a user (then it goes with the front-proxy certificate)."""
+    downstream = exchange.downstream
+    kept = _kept(exchange.raw, downstream.is_peer, False, _RAW)
+    parts = [b"%b %b HTTP/1.1\r\nHost: %b\r\n" % (exchange.raw_method, exchange.raw_target,
+                                                     authority)]
+    parts += [name + b": " + value + b"\r\n" for _, name, value in kept]
+    parts.append(downstream.header_lines)
+    if exchange.has_body:
+        parts.append(b"Transfer-Encoding: chunked\r\n" if exchange.chunked
+                     else b"Content-Length: %d\r\n" % exchange.body_length)
+        parts += [b"Expect: " + v + b"\r\n" for n, v in exchange.raw if n.lower() == b"expect"]
+    parts.append(b"\r\n")
+    asserts = bool(downstream.header_lines) or any(
+        lowered == _RAW.remote_user for lowered, _, _ in kept)
+    return b"".join(parts), asserts
+
+
+_REQUEST_DROPPED = HOP_BY_HOP | REFRAMED
+_TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", ",", REMOTE_PREFIX, PEER_PROXIED,
+               "x-remote-user")
+_RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connection", b",",
+              REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user")
+RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
+UNSERVED_RAW = UNSERVED.encode()
 
 
 def response_headers(fields: wire.Fields) -> wire.Fields:
@@ -130,21 +183,7 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
     go to another upstream; once the response has started, an upstream failure can
     only end the stream, so the downstream connection is closed instead.
     """
-    fields = list(headers.items())
-    if exchange.has_body:  # never an upgrade: the listener refuses upgrades with a body
-        if exchange.chunked:
-            fields.append(("Transfer-Encoding", "chunked"))
-        else:
-            fields.append(("Content-Length", str(exchange.body_length)))
-        fields += [("Expect", value) for value in wire.values(exchange.fields, "expect")]
-    if exchange.upgrade:
-        fields += [("Connection", "Upgrade"),
-                   ("Upgrade", ", ".join(wire.values(exchange.fields, "upgrade")))]
-    try:
-        head = wire.request_head(exchange.method, exchange.target, upstream.authority, fields)
-    except wire.UnsafeHeader as exc:
-        raise ForwardError(UpstreamProtocolError(upstream.name, str(exc)),
-                           retryable=False) from exc
+    head = request_head(exchange, upstream, headers)
     if upstream.is_peer and exchange.has_body:
         exchange.keep_body_copy(REPLAY_LIMIT)
     pool = transport.pool(upstream)
@@ -170,8 +209,124 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
             log.log(V(4), "retrying on a fresh connection", extra=kv(upstream=upstream.name))
 
 
+def request_head(exchange: Exchange, upstream: Upstream, headers: CIMultiDict[str]) -> bytes:
+    """The upstream request head: ``headers`` plus the framing of a streamed body, or the
+    upgrade fields; ForwardError if a value cannot be sent (a line break, say)."""
+    fields = list(headers.items())
+    if exchange.has_body:  # never an upgrade: the listener refuses upgrades with a body
+        if exchange.chunked:
+            fields.append(("Transfer-Encoding", "chunked"))
+        else:
+            fields.append(("Content-Length", str(exchange.body_length)))
+        fields += [("Expect", value) for value in wire.values(exchange.fields, "expect")]
+    if exchange.upgrade:
+        fields += [("Connection", "Upgrade"),
+                   ("Upgrade", ", ".join(wire.values(exchange.fields, "upgrade")))]
+    try:
+        return wire.request_head(exchange.method, exchange.target, upstream.authority, fields)
+    except wire.UnsafeHeader as exc:
+        raise ForwardError(UpstreamProtocolError(upstream.name, str(exc)),
+                           retryable=False) from exc
+
+
 class _StaleConnection(Exception):
     """A reused connection ended before any response byte (idempotent requests only)."""
+
+
+def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnection
+                  ) -> ForwardError | _StaleConnection:
+    """What a failure before the response head means for the request."""
+    upstream = conn.upstream
+    if isinstance(error, _TimedOut):
+        cause: UpstreamError = UpstreamTimeout(upstream.name, "timed out waiting for the "
+                                                              "response")
+        return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
+                                                         exchange.body_started))
+    assert isinstance(error, UpstreamError)
+    cause = error
+    if conn.reset and not conn.received:
+        cause = UpstreamUnreachable(upstream.name, "stopped answering; polling found it "
+                                                   "unreachable")
+    elif (isinstance(error, UpstreamProtocolError) and not conn.received
+          and conn.requests > 1 and exchange.method in IDEMPOTENT):
+        return _StaleConnection()
+    return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
+                                                     not exchange.replayable()))
+
+
+def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
+                head: bytes, *, long_running: bool,
+                finished: Callable[[ForwardError | _StaleConnection | None, bool], None]
+                ) -> _Inline | None:
+    """The common case without a coroutine: a plain request to the backend, on an idle
+    pooled connection, moved entirely by protocol callbacks. None: nothing was done
+    (no idle connection, an upgrade, a peer), use ``forward``. ``finished(failure,
+    cancelled)`` is called once: failure None when the answer went out (or was cut),
+    else what stopped it before any answer (the caller continues in a coroutine)."""
+    if exchange.upgrade or upstream.is_peer:
+        return None
+    pool = transport.pool(upstream)
+    conn = pool.take_idle()
+    if conn is None:
+        return None
+    inline = _Inline(exchange, transport, pool, conn, long_running, finished)
+    inline.start(head)
+    return inline
+
+
+class _Inline:
+    """One request forwarded by callbacks alone (see ``forward_now``)."""
+
+    __slots__ = ("exchange", "transport", "pool", "conn", "long_running", "finished", "relay")
+
+    def __init__(self, exchange: Exchange, transport: Transport, pool: Pool,
+                 conn: UpstreamConnection, long_running: bool,
+                 finished: Callable[[ForwardError | _StaleConnection | None, bool], None]):
+        self.exchange, self.transport, self.pool, self.conn = exchange, transport, pool, conn
+        self.long_running, self.finished = long_running, finished
+        self.relay = _Relay(exchange, conn, transport.loop, check_unserved=False,
+                            notify=self.settled)
+
+    def start(self, head: bytes) -> None:
+        transport, relay, exchange = self.transport, self.relay, self.exchange
+        transport.deadlines.add(relay, transport.loop.time() + transport.request_timeout,
+                                relay.expire, transport.loop)
+        self.conn.send(head, relay, method=exchange.method)
+        if exchange.has_body:
+            exchange.attach_body(relay.body_sink)
+
+    def settled(self, stage: str, error: BaseException | None) -> None:
+        if stage == "head":
+            if error is None:
+                if self.long_running:
+                    self.transport.deadlines.discard(self.relay)  # may stay open for hours
+                return
+            failure = _head_failure(error, self.exchange, self.conn)
+            self._cleanup(release=False)
+            self.finished(failure, False)
+            return
+        if error is None:
+            self._cleanup(release=not self.relay.body_pending())
+        else:
+            log.log(V(3), "stream ended early; closing the downstream connection",
+                    extra=kv(upstream=self.pool.upstream.name, error=str(error)[:200]))
+            self.exchange.abort()
+            self._cleanup(release=False)
+        self.finished(None, False)
+
+    def cancel(self) -> None:
+        """The client left, or shutdown ends the request: drop the upstream side."""
+        self._cleanup(release=False)
+        self.finished(None, True)
+
+    def _cleanup(self, *, release: bool) -> None:
+        self.transport.deadlines.discard(self.relay)
+        self.exchange.detach_body()
+        self.relay.notify = None  # nothing more is reported
+        if release:
+            self.pool.release(self.conn)
+        else:
+            self.pool.discard(self.conn)
 
 
 async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, head: bytes,
@@ -188,27 +343,15 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
     try:
         try:
             await relay.head
-        except UpstreamError as error:
-            cause: UpstreamError = error
-            if conn.reset and not conn.received:
-                cause = UpstreamUnreachable(upstream.name, "stopped answering; polling found "
-                                                           "it unreachable")
-            elif (isinstance(error, UpstreamProtocolError) and not conn.received
-                  and conn.requests > 1 and exchange.method in IDEMPOTENT):
-                raise _StaleConnection() from error
-            raise ForwardError(cause, retryable=_may_resend(
-                cause, exchange.method, not exchange.replayable())) from error
-        except _TimedOut as exc:
-            cause = UpstreamTimeout(upstream.name, "timed out waiting for the response")
-            raise ForwardError(cause, retryable=_may_resend(
-                cause, exchange.method, exchange.body_started)) from exc
+        except (UpstreamError, _TimedOut) as error:
+            raise _head_failure(error, exchange, conn) from error
         if long_running:
             deadlines.discard(relay)  # a watch may stay open for hours
         if relay.upgraded is not None:
             released = True  # the tunnel owns the connection now
             pool.forget(conn)
-            await tunnel.relay(exchange, conn, relay.status, relay.reason, relay.fields,
-                               relay.upgraded)
+            await tunnel.relay(exchange, conn, relay.status, relay.reason, relay.raw,
+                               relay.lowered, relay.upgraded)
             return
         try:
             await relay.done
@@ -238,15 +381,20 @@ class _Relay:
     """Moves one upstream response to the downstream exchange (a ResponseHandler)."""
 
     def __init__(self, exchange: Exchange, conn: UpstreamConnection,
-                 loop: asyncio.AbstractEventLoop, *, check_unserved: bool):
+                 loop: asyncio.AbstractEventLoop, *, check_unserved: bool,
+                 notify: Callable[[str, BaseException | None], None] | None = None):
         self.exchange = exchange
         self.conn = conn
         self.check_unserved = check_unserved
-        self.head: asyncio.Future[None] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.notify = notify
+        """Callback mode (``_Inline``): told ("head" | "done", error) instead of futures."""
+        self.head: asyncio.Future[None] | None = None if notify else loop.create_future()
+        self.done: asyncio.Future[None] | None = None if notify else loop.create_future()
+        self._head_settled = self._done_settled = False
         self.status = 0
-        self.reason = ""
-        self.fields: wire.Fields = []
+        self.reason = b""
+        self.raw: wire.RawFields = []
+        self.lowered: list[bytes] = []
         self.upgraded: bytes | None = None
         self._out: list[bytes] = []
         self._ended: wire.Fields | None = None
@@ -274,49 +422,53 @@ class _Relay:
 
     # ---------------------------------------------------------------- ResponseHandler
 
-    def on_interim(self, status: int, reason: str, fields: wire.Fields) -> None:
+    def on_interim(self, status: int, reason: bytes, raw: wire.RawFields,
+                   lowered: list[bytes]) -> None:
         if self.exchange.version >= (1, 1) and not self.exchange.started:
-            self.exchange.conn.write(wire.response_head(status, reason, response_headers(fields)))
+            dropped = RESPONSE_DROPPED | wire.raw_connection_tokens(raw, lowered)
+            self.exchange.conn.write(wire.status_line(status, reason)
+                                     + wire.raw_lines(raw, lowered, dropped) + b"\r\n")
 
-    def on_head(self, status: int, reason: str, fields: wire.Fields) -> None:
-        self.status, self.reason, self.fields = status, reason, fields
-        if self.check_unserved and status == 503 and wire.first(fields, UNSERVED):
-            self._settle(self.head, UpstreamUnserved(self.conn.upstream.name,
+    def on_head(self, status: int, reason: bytes, raw: wire.RawFields,
+                lowered: list[bytes]) -> None:
+        self.status, self.reason, self.raw, self.lowered = status, reason, raw, lowered
+        if self.check_unserved and status == 503 and UNSERVED_RAW in lowered:
+            self._settle("head", UpstreamUnserved(self.conn.upstream.name,
                                                      "nothing reached its backend"))
             return
         if status == 101:
             return  # on_upgrade follows
-        out = response_headers(fields)
-        length = wire.first(fields, "content-length")
-        if length and (status not in (204, 304)):
-            out.append(("Content-Length", length))
-        elif self._with_body and status not in (204, 304) and not 100 <= status < 200:
-            out.append(("Transfer-Encoding", "chunked"))
-        self.exchange.start(status, out, reason=reason, hold=True)
-        self._settle(self.head, None)
+        dropped = RESPONSE_DROPPED
+        if b"connection" in lowered and raw[lowered.index(b"connection")][1].lower() not in (
+                b"keep-alive", b"close"):  # the usual values name nothing else
+            dropped = dropped | wire.raw_connection_tokens(raw, lowered)
+        length = None
+        if b"content-length" in lowered:
+            length = raw[lowered.index(b"content-length")][1]
+        self.exchange.start_raw(status, wire.status_line(status, reason)
+                                + wire.raw_lines(raw, lowered, dropped), length=length,
+                                bodiless=not self._with_body or status in (204, 304))
+        self._settle("head", None)
 
     def on_body(self, data: bytes) -> None:
         if self._with_body and self.exchange.started:
             self._out.append(data)
 
-    def on_end(self, trailers: wire.Fields) -> None:
-        self._ended = trailers
-        if not self.head.done():  # e.g. the unserved marker's body ended
-            self._settle(self.head, None)
+    def on_end(self, trailers: wire.RawFields) -> None:
+        self._ended = wire.decoded(trailers) if trailers else []
+        if not self._head_settled:  # e.g. the unserved marker's body ended
+            self._settle("head", None)
 
     def on_upgrade(self, early: bytes) -> None:
         self.upgraded = early
-        self._settle(self.head, None)
+        self._settle("head", None)
 
     def expire(self) -> None:
         """The request timeout passed: whichever wait is current ends with _TimedOut."""
-        self._settle(self.head if not self.head.done() else self.done, _TimedOut())
+        self._settle("done" if self._head_settled else "head", _TimedOut())
 
     def on_error(self, error: UpstreamError) -> None:
-        if not self.head.done():
-            self._settle(self.head, error)
-        else:
-            self._settle(self.done, error)
+        self._settle("done" if self._head_settled else "head", error)
 
     def flush(self) -> None:
         """Everything parsed from one read goes out in one write."""
@@ -327,7 +479,7 @@ class _Relay:
         self._out.clear()
         if self._ended is not None:
             exchange.write(data, end=True, trailers=self._ended)
-            self._settle(self.done, None)
+            self._settle("done", None)
             return
         exchange.write(data)
         downstream = exchange.conn
@@ -336,11 +488,23 @@ class _Relay:
             conn.pause_reading("downstream")
             downstream.when_writable(lambda: conn.resume_reading("downstream"))
 
-    @staticmethod
-    def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
+    def _settle(self, stage: str, error: BaseException | None) -> None:
+        """Report the head ("head") or the end ("done"), once each, to the future or
+        to ``notify``."""
+        if stage == "head":
+            if self._head_settled:
+                return
+            self._head_settled = True
+            future = self.head
         else:
-            future.set_exception(error)
+            if self._done_settled:
+                return
+            self._done_settled = True
+            future = self.done
+        if self.notify is not None:
+            self.notify(stage, error)
+        elif future is not None and not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)

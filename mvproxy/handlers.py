@@ -9,6 +9,7 @@ cache (``discoveryhandler``). Failures to reach an upstream become Kubernetes
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -62,15 +63,86 @@ class Proxy:
                                              self.metrics.request_duration.labels(route))
         return found
 
+    def handle_now(self, exchange: Exchange) -> bool:
+        """The common case without a coroutine: a plain request the backend serves,
+        forwarded on an idle pooled connection by callbacks alone (``forward_now``).
+        False: nothing was done; ``handle`` takes the request."""
+        downstream = exchange.downstream
+        if downstream.kind == REFUSED or exchange.upgrade:
+            return False
+        info, long_running = request_info(exchange.method, exchange.path, exchange.query)
+        peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
+        decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
+                                  rng=self.rng)
+        if decision.route != routing.BACKEND:
+            return False
+        backend = self.backend
+        head, asserts_user = forwarding.backend_head(exchange, backend.raw_authority)
+        upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
+        inflight, duration = self._route_metrics(routing.BACKEND)
+        started = time.perf_counter()
+
+        def finished(failure, cancelled: bool) -> None:
+            if failure is None:
+                self._done(inflight, duration, started, long_running)
+                exchange.conn.finish(exchange, cancelled=cancelled)
+            else:  # nothing was answered: retry or explain, in a coroutine
+                exchange.conn.continue_with(exchange, self._recover(
+                    exchange, upstream, failure, long_running, inflight, duration, started))
+        inline = forwarding.forward_now(exchange, self.transport, upstream, head,
+                                        long_running=long_running, finished=finished)
+        if inline is None:
+            return False
+        exchange.cancel_hook = inline.cancel
+        inflight.inc()
+        if long_running:
+            self.metrics.open_watches.inc()
+        return True
+
+    def _done(self, inflight, duration, started: float, long_running: bool) -> None:
+        inflight.dec()
+        duration.observe(time.perf_counter() - started)
+        if long_running:
+            self.metrics.open_watches.dec()
+
+    async def _recover(self, exchange: Exchange, upstream: Upstream, failure,
+                       long_running: bool, inflight, duration, started: float) -> None:
+        """After ``handle_now`` failed before any answer: a stale pooled connection is
+        retried once on a fresh one (``forward`` drops the other idle ones); anything
+        else is answered as ``_to_backend`` would."""
+        try:
+            if isinstance(failure, ForwardError):
+                raise failure
+            pool = self.transport.pool(upstream)
+            for idle in list(pool.idle):
+                idle.close()
+            pool.idle.clear()
+            headers = forwarding.request_headers(exchange.fields, exchange.downstream,
+                                                 to_peer=False)
+            await forwarding.forward(exchange, self.transport, upstream, headers,
+                                     long_running=long_running)
+        except ForwardError as exc:
+            log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
+            reply(exchange, self._backend_failure(exchange, exc))
+        finally:
+            self._done(inflight, duration, started, long_running)
+
+    def _backend_failure(self, exchange: Exchange, exc: ForwardError) -> Reply:
+        answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+                                  idempotent=exchange.method in forwarding.IDEMPOTENT)
+        if exchange.downstream.is_peer and answer.status == 503:
+            # Nothing reached the backend: the peer that sent this may try another.
+            answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
+        return answer
+
     async def handle(self, exchange: Exchange) -> None:
         downstream = exchange.downstream
         if downstream.kind == REFUSED:
             reply(exchange, status_reply(401, downstream.reason))
             return
-        info = parse_request_info(exchange.method, exchange.path, exchange.query)
-        headers = exchange.headers
-        decision = routing.decide(info, self.cache.view(),
-                                  peer_proxied=is_peer_proxied(downstream, headers),
+        info, long_running = request_info(exchange.method, exchange.path, exchange.query)
+        peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
+        decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
                                   rng=self.rng)
         if log.isEnabledFor(V(4)):
             log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
@@ -88,14 +160,14 @@ class Proxy:
             elif route == routing.UNAVAILABLE:
                 reply(exchange, self._unavailable(info, decision))
             else:
-                await self._forward(exchange, downstream, info, decision, route)
+                await self._forward(exchange, downstream, info, decision, route,
+                                    long_running or exchange.upgrade)
         finally:
             inflight.dec()
             duration.observe(time.perf_counter() - started)
 
     async def _forward(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
-                       decision: routing.Decision, route: str) -> None:
-        long_running = exchange.upgrade or is_long_running(info, exchange.query)
+                       decision: routing.Decision, route: str, long_running: bool) -> None:
         if long_running:
             self.metrics.open_watches.inc()
         try:
@@ -115,12 +187,7 @@ class Proxy:
                                      headers, long_running=long_running)
         except ForwardError as exc:
             log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
-                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
-            if downstream.is_peer and answer.status == 503:
-                # Nothing reached the backend: the peer that sent this may try another.
-                answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
-            reply(exchange, answer)
+            reply(exchange, self._backend_failure(exchange, exc))
 
     async def _to_peers(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
                         candidates: tuple[str, ...], long_running: bool) -> None:
@@ -188,6 +255,14 @@ class Proxy:
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
             headers={"Retry-After": str(self.retry_after)})
+
+
+@functools.lru_cache(maxsize=4096)
+def request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
+    """kube's RequestInfo and whether the request is long-running, memoised: most
+    requests repeat (watches, lists, controllers' gets)."""
+    info = parse_request_info(method, path, query)
+    return info, is_long_running(info, query)
 
 
 def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:

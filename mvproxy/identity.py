@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography import x509
 
@@ -58,13 +58,33 @@ class Downstream:
     groups: tuple[str, ...] = ()
     reason: str = ""
     """For ``REFUSED``: why the certificate cannot identify anyone (shown to the client)."""
+    header_lines: bytes = field(default=b"", compare=False, repr=False)
+    """The ``X-Remote-*`` lines asserted for a USER, encoded once per identity (every
+    request of its connection sends them)."""
 
     @property
     def is_peer(self) -> bool:
         return self.kind == PEER
 
 
+def user_downstream(user: str, groups: tuple[str, ...]) -> Downstream:
+    """A certificate user, with its header lines; REFUSED if a name cannot be sent as
+    a header value (a line break, NUL or non-Latin-1 character in the subject)."""
+    lines = [f"{REMOTE_USER}: {user}\r\n", *(f"{REMOTE_GROUP}: {g}\r\n" for g in groups)]
+    text = "".join(lines)
+    if text.count("\r") != len(lines) or text.count("\n") != len(lines) or "\0" in text:
+        return UNSENDABLE_DOWNSTREAM
+    try:
+        encoded = text.encode("latin-1")
+    except UnicodeEncodeError:
+        return UNSENDABLE_DOWNSTREAM
+    return Downstream(USER, user, groups, header_lines=encoded)
+
+
 ANONYMOUS_DOWNSTREAM = Downstream(ANONYMOUS)
+UNSENDABLE_DOWNSTREAM = Downstream(
+    REFUSED, reason="the client certificate's subject holds characters that cannot be "
+                    "sent in a header (a line break, NUL or non-Latin-1 character)")
 AMBIGUOUS_DOWNSTREAM = Downstream(
     REFUSED, reason="the client certificate has more than one common name (CN); "
                     "kube-apiserver would use the last one and tools show the first, so "
@@ -118,7 +138,7 @@ class IdentityResolver:
         if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
         if cn and pki.issued_by_any(cert, self._client_cas):
-            return Downstream(USER, cn, orgs)
+            return user_downstream(cn, orgs)
         return ANONYMOUS_DOWNSTREAM
 
 

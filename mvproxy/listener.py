@@ -58,6 +58,8 @@ PIPELINE_PAUSE = 2
 MAX_PIPELINED = 32
 """More than this parsed ahead (one read can hold thousands of tiny requests, and llhttp
 parses all it is given): 400 and the connection ends."""
+_FRAMING_RAW = frozenset((b"content-length", b"transfer-encoding"))
+_FRAMING_LENGTHS = frozenset(len(name) for name in _FRAMING_RAW)
 MAX_HEADER_FIELDS = 1000
 """Header fields per request head (each costs Python objects far beyond its bytes)."""
 _ACCEPT_BATCH = 32
@@ -114,11 +116,15 @@ class Exchange:
         "_headers",
         "_sink",
         "_started_at",
+        "cancel_hook",
         "body_length",
         "chunked",
         "chunked_out",
         "conn",
-        "fields",
+        "raw",
+        "raw_method",
+        "raw_target",
+        "_fields",
         "finished",
         "keep_alive",
         "method",
@@ -132,7 +138,7 @@ class Exchange:
     )
 
     def __init__(self, conn: DownstreamConnection, method: str, target: str,
-                 version: tuple[int, int], fields: wire.Fields, keep_alive: bool,
+                 version: tuple[int, int], raw: wire.RawFields, keep_alive: bool,
                  upgrade: bool):
         self.conn = conn
         self.method = method
@@ -140,7 +146,11 @@ class Exchange:
         raw_path, _, self.query = target.partition("?")
         self.path = unquote(raw_path) if "%" in raw_path else raw_path
         self.version = version
-        self.fields = fields
+        self.raw = raw
+        """Header fields as llhttp gave them (bytes: the hot path never decodes them)."""
+        self.raw_method = method.encode("latin-1")
+        self.raw_target = target.encode("latin-1")
+        self._fields: wire.Fields | None = None
         self.keep_alive = keep_alive
         self.upgrade = upgrade
         self.body_length: int | None = None
@@ -165,8 +175,17 @@ class Exchange:
         after their head cannot be read as HTTP."""
         self._early: bytearray | None = None
         self._started_at = time.monotonic()
+        self.cancel_hook: Callable[[], None] | None = None
+        """Set while the request is handled by callbacks alone (no task to cancel)."""
 
     # ---------------------------------------------------------------- request side
+
+    @property
+    def fields(self) -> wire.Fields:
+        """The header fields as text (decoded on first use)."""
+        if self._fields is None:
+            self._fields = wire.decoded(self.raw)
+        return self._fields
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:
@@ -289,6 +308,29 @@ class Exchange:
         else:
             self.conn.write(head)
 
+    def start_raw(self, status: int, head: bytes, *, length: bytes | None,
+                  bodiless: bool) -> None:
+        """A relayed response head: ``head`` is its status line and end-to-end fields as
+        bytes; this adds the framing (the upstream's ``length``, else chunked, or
+        close-delimited for HTTP/1.0) and ``Connection: close`` when due, and holds it
+        for the first write. ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
+        if self.started:
+            raise RuntimeError("response already started")
+        if length is not None:
+            head += b"Content-Length: " + length + b"\r\n"
+        elif not bodiless:
+            if self.version < (1, 1):
+                self._close_after = True
+            else:
+                head += b"Transfer-Encoding: chunked\r\n"
+                self.chunked_out = True
+        if self._close_after or not self.keep_alive or self.conn.closing:
+            head += b"Connection: close\r\n"
+            self._close_after = True
+        self._head_pending = head + b"\r\n"
+        self.started = True
+        self.status = status
+
     def write(self, data: bytes, *, end: bool = False, trailers: wire.Fields = ()) -> None:
         """Body bytes (framed here when chunked), with a held head before them and the
         end after them if ``end``: one write to the connection either way."""
@@ -346,8 +388,8 @@ class DownstreamConnection(asyncio.Protocol):
         self.closing = False
         self._parser = httptools.HttpRequestParser(self)
         self._url = bytearray()
-        self._fields: wire.Fields = []
-        self._head_size = 0
+        self._fields: wire.RawFields = []
+        self._framing: list[tuple[bytes, str]] = []
         self._in_head = False
         self._head_bytes = 0
         self._tail = b""
@@ -385,8 +427,7 @@ class DownstreamConnection(asyncio.Protocol):
         for waiter in self._write_waiters:
             waiter()
         self._write_waiters.clear()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # the client left: stop its request upstream too
+        self.cancel()  # the client left: stop its request upstream too
 
     def eof_received(self) -> bool | None:
         if self._eof_sink is not None:
@@ -455,23 +496,19 @@ class DownstreamConnection(asyncio.Protocol):
         self._expect("head", self.listener.limits.header_read_timeout)  # pipelined ones too
         self._url.clear()
         self._fields = []
-        self._head_size = 0
+        self._framing = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._grow(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._grow(len(name) + len(value) + 4)
-        if len(self._fields) >= MAX_HEADER_FIELDS:
+        # Sizes are counted as bytes arrive (``_count_head``); this bounds the objects.
+        fields = self._fields
+        if len(fields) >= MAX_HEADER_FIELDS:
             raise BadRequest(Refusal(431, f"more than {MAX_HEADER_FIELDS} header fields"))
-        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
-
-    def _grow(self, size: int) -> None:
-        self._head_size += size
-        if self._head_size > self.listener.limits.max_header_bytes:
-            raise BadRequest(Refusal(431, "the request head is larger than the "
-                                          f"{self.listener.limits.max_header_bytes}-byte limit"))
+        fields.append((name, value))
+        if len(name) in _FRAMING_LENGTHS and name.lower() in _FRAMING_RAW:
+            self._framing.append((name.lower(), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -482,19 +519,19 @@ class DownstreamConnection(asyncio.Protocol):
                             self._url.decode("latin-1"),
                             (int(version[0]), int(version[2])) if len(version) == 3 else (0, 0),
                             self._fields, parser.should_keep_alive(), parser.should_upgrade())
-        te = wire.values(self._fields, "transfer-encoding")
+        te = [v for n, v in self._framing if n == b"transfer-encoding"]
+        length = next((v for n, v in self._framing if n == b"content-length"), "")
         refusal = check_request(exchange.version, exchange.target, te)
         if refusal is not None:
             raise BadRequest(refusal)
         if exchange.method == "CONNECT":
             raise BadRequest(Refusal(405, "CONNECT is not served"))
-        if exchange.upgrade and (te or wire.first(self._fields, "content-length") not in ("", "0")):
+        if exchange.upgrade and (te or length not in ("", "0")):
             raise BadRequest(Refusal(400, "an upgrade request cannot carry a body"))
         if te:
             exchange.chunked = True
             exchange._body_done = False
         else:
-            length = wire.first(self._fields, "content-length")
             if length:
                 exchange.body_length = int(length)  # llhttp validated it
                 exchange._body_done = exchange.body_length == 0
@@ -548,18 +585,35 @@ class DownstreamConnection(asyncio.Protocol):
         exchange = self._active = self._queue.popleft()
         if len(self._queue) < PIPELINE_PAUSE:
             self.resume_reading("pipeline")
-        self._task = self.loop.create_task(self.listener.handler(exchange))
+        handle_now = self.listener.handle_now
+        if handle_now is not None and handle_now(exchange):
+            return
+        self.continue_with(exchange, self.listener.handler(exchange))
+
+    def continue_with(self, exchange: Exchange, coro) -> None:
+        """Handle ``exchange`` in a task running ``coro`` (also after a callback start)."""
+        exchange.cancel_hook = None
+        self._task = self.loop.create_task(coro)
         self._task.add_done_callback(lambda task: self._handled(exchange, task))
 
+    def finish(self, exchange: Exchange, *, cancelled: bool = False) -> None:
+        """A request handled by callbacks is over (its answer written, or cut)."""
+        exchange.cancel_hook = None
+        self._complete(exchange, None, cancelled)
+
     def _handled(self, exchange: Exchange, task: asyncio.Task) -> None:
-        """The one place a handler's failure becomes an answer (or a closed connection)."""
         self._task = None
-        if task.cancelled():
+        cancelled = task.cancelled()
+        self._complete(exchange, None if cancelled else task.exception(), cancelled)
+
+    def _complete(self, exchange: Exchange, failure: BaseException | None,
+                  cancelled: bool) -> None:
+        """The one place a handler's failure becomes an answer (or a closed connection)."""
+        if cancelled:
             # Cancelled because the request was refused mid-body (its answer is written:
             # flush it) or because the client left or shutdown came (nothing to flush).
             self.close() if exchange.finished else self.abort()
             return
-        failure = task.exception()
         if failure is not None:
             log.error("request handler failed", exc_info=failure,
                       extra=kv(method=exchange.method, started=exchange.started))
@@ -601,14 +655,13 @@ class DownstreamConnection(asyncio.Protocol):
         if active is None or not active.started:
             # Nothing was answered yet (a bad body of a request being forwarded counts:
             # its upstream request is abandoned, the client learns why).
-            if active is not None:
-                active.started = active.finished = True
-                if self._task is not None:
-                    self._task.cancel()
             body = status_bytes(refusal.status, refusal.message)
             self.write(wire.response_head(refusal.status, "", [
                 ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                 ("Connection", "close")]) + body)
+            if active is not None:  # after the write: a callback handler ends at once
+                active.started = active.finished = True
+                self.cancel()
         self.close()
 
     # ---------------------------------------------------------------- I/O helpers
@@ -673,11 +726,14 @@ class DownstreamConnection(asyncio.Protocol):
 
     @property
     def busy(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return (self._task is not None and not self._task.done()) or (
+            self._active is not None and self._active.cancel_hook is not None)
 
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        elif self._active is not None and self._active.cancel_hook is not None:
+            self._active.cancel_hook()
 
     def close_if_idle(self) -> bool:
         """Close now if no request is in progress (shutdown); True if it was idle."""
@@ -728,8 +784,12 @@ class Listener:
 
     def __init__(self, *, handler: Handler, limits: Limits, ssl_context: ssl.SSLContext,
                  resolve_identity: Callable[[bytes | None], Downstream],
-                 anonymous: Downstream, on_refused: Callable[[int], None] | None = None):
+                 anonymous: Downstream, on_refused: Callable[[int], None] | None = None,
+                 handle_now: Callable[[Exchange], bool] | None = None):
         self.handler = handler
+        self.handle_now = handle_now
+        """Tried first: True if it took the request without a coroutine (it then calls
+        ``conn.finish`` or ``conn.continue_with`` later)."""
         self.limits = limits
         self.ssl_context = ssl_context
         self.resolve_identity = resolve_identity

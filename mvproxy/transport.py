@@ -101,6 +101,10 @@ class Upstream:
         """The ``Host`` header value: ``host:port`` (IPv6 in brackets)."""
         return urlsplit(self.url).netloc
 
+    @cached_property
+    def raw_authority(self) -> bytes:
+        return self.authority.encode("ascii")
+
 
 @dataclass(frozen=True)
 class Fetched:
@@ -115,10 +119,12 @@ class Fetched:
 class ResponseHandler(Protocol):
     """Receives one response as it is parsed (all calls come from the event loop)."""
 
-    def on_interim(self, status: int, reason: str, fields: wire.Fields) -> None: ...
-    def on_head(self, status: int, reason: str, fields: wire.Fields) -> None: ...
+    def on_interim(self, status: int, reason: bytes, raw: wire.RawFields,
+                   lowered: list[bytes]) -> None: ...
+    def on_head(self, status: int, reason: bytes, raw: wire.RawFields,
+                lowered: list[bytes]) -> None: ...
     def on_body(self, data: bytes) -> None: ...
-    def on_end(self, trailers: wire.Fields) -> None: ...
+    def on_end(self, trailers: wire.RawFields) -> None: ...
     def on_upgrade(self, early: bytes) -> None: ...
     def on_error(self, error: UpstreamError) -> None: ...
     def flush(self) -> None: ...
@@ -145,7 +151,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head_request = False
         self._reason = b""
-        self._fields: wire.Fields = []
+        self._fields: wire.RawFields = []
         self._interim = False
         self._until_close = False
         self._complete = True
@@ -236,26 +242,25 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
-        reason = self._reason.decode("latin-1")
-        fields, self._fields = self._fields, []
+        raw, self._fields = self._fields, []
         handler = self._handler
         if handler is None:
             return
+        lowered = [name.lower() for name, _ in raw]
         if 100 <= status < 200 and status != 101:
             self._interim = True
-            handler.on_interim(status, reason, fields)
+            handler.on_interim(status, self._reason, raw, lowered)
             return
         self._head_seen = True
         self._keep_alive = self._parser.should_keep_alive()
-        names = {name.lower() for name, _ in fields}
         self._until_close = (not self._head_request and status not in (204, 304)
-                             and "content-length" not in names
-                             and "transfer-encoding" not in names and status != 101)
-        handler.on_head(status, reason, fields)
+                             and b"content-length" not in lowered
+                             and b"transfer-encoding" not in lowered and status != 101)
+        handler.on_head(status, self._reason, raw, lowered)
         if self._head_request and status != 101:
             # llhttp cannot be told "no body" from here: end the response ourselves
             # and give the next request a fresh parser.
@@ -275,7 +280,7 @@ class UpstreamConnection(asyncio.Protocol):
             trailers, self._fields = self._fields, []
             self._finish(handler, trailers)
 
-    def _finish(self, handler: ResponseHandler, trailers: wire.Fields) -> None:
+    def _finish(self, handler: ResponseHandler, trailers: wire.RawFields) -> None:
         self._complete = True
         self._handler = None
         handler.on_end(trailers)
@@ -377,15 +382,22 @@ class Pool:
     def __repr__(self) -> str:
         return f"<Pool {self.upstream.name}: {len(self.busy)} busy, {len(self.idle)} idle>"
 
-    async def acquire(self) -> tuple[UpstreamConnection, bool]:
-        """A connection for one request, and whether it was reused."""
+    def take_idle(self) -> UpstreamConnection | None:
+        """The most recently used idle connection still worth reusing, if any."""
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed and now - conn.idle_since < self.idle_expiry:
                 self.busy.add(conn)
-                return conn, True
+                return conn
             conn.close()
+        return None
+
+    async def acquire(self) -> tuple[UpstreamConnection, bool]:
+        """A connection for one request, and whether it was reused."""
+        conn = self.take_idle()
+        if conn is not None:
+            return conn, True
         conn = await self._connect()
         self.busy.add(conn)
         return conn, False
@@ -490,6 +502,7 @@ class Transport:
         self._max_idle = max_idle_per_upstream
         self._idle_expiry = idle_expiry
         self._pools: dict[Upstream, Pool] = {}
+        self._by_id: dict[int, Pool] = {}
         self.deadlines = Deadlines(period=max(0.02, min(1.0, request_timeout / 8)))
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -501,11 +514,17 @@ class Transport:
         return self._loop
 
     def pool(self, upstream: Upstream) -> Pool:
+        # By identity first: hashing the frozen dataclass costs more than the rest of
+        # the lookup, and the same Upstream objects come back on every request.
+        pool = self._by_id.get(id(upstream))
+        if pool is not None and pool.upstream is upstream:
+            return pool
         pool = self._pools.get(upstream)
         if pool is None:
             pool = self._pools[upstream] = Pool(
                 upstream, connect_timeout=self.connect_timeout, max_idle=self._max_idle,
                 idle_expiry=self._idle_expiry)
+        self._by_id[id(upstream)] = pool
         return pool
 
     def drop_idle(self, name: str) -> None:
@@ -559,7 +578,7 @@ class Transport:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
-        pools, self._pools = list(self._pools.values()), {}
+        pools, self._pools, self._by_id = list(self._pools.values()), {}, {}
         for pool in pools:
             pool.reset()
         await self.deadlines.close()
@@ -580,10 +599,13 @@ class _Collector:
     def result(self) -> Fetched:
         return Fetched(self.status, CIMultiDictProxy(CIMultiDict(self.fields)), bytes(self.body))
 
-    def on_interim(self, status: int, reason: str, fields: wire.Fields) -> None:
+    def on_interim(self, status: int, reason: bytes, raw: wire.RawFields,
+                   lowered: list[bytes]) -> None:
         pass
 
-    def on_head(self, status: int, reason: str, fields: wire.Fields) -> None:
+    def on_head(self, status: int, reason: bytes, raw: wire.RawFields,
+                lowered: list[bytes]) -> None:
+        fields = wire.decoded(raw)
         self.status, self.fields = status, fields
         declared = wire.first(fields, "content-length")
         if declared.isdigit() and int(declared) > self.max_bytes:
@@ -597,7 +619,7 @@ class _Collector:
         if len(self.body) > self.max_bytes:
             self.on_error(BodyTooLarge(self.name, f"body exceeds the {self.max_bytes}-byte limit"))
 
-    def on_end(self, trailers: wire.Fields) -> None:
+    def on_end(self, trailers: wire.RawFields) -> None:
         if not self.done.done():
             self.done.set_result(None)
 

@@ -29,11 +29,11 @@ from mvproxy.transport import UpstreamConnection
 
 log = logging.getLogger(__name__)
 
-_NOT_RELAYED_ON_SWITCH = frozenset(("content-length", "transfer-encoding", "keep-alive"))
+_NOT_RELAYED_ON_SWITCH = frozenset((b"content-length", b"transfer-encoding", b"keep-alive"))
 
 
-async def relay(exchange: Exchange, upstream: UpstreamConnection, status: int, reason: str,
-                fields: wire.Fields, early_from_upstream: bytes) -> None:
+async def relay(exchange: Exchange, upstream: UpstreamConnection, status: int, reason: bytes,
+                raw: wire.RawFields, lowered: list[bytes], early_from_upstream: bytes) -> None:
     """Send the ``101`` downstream, then copy bytes both ways until either side ends."""
     downstream = exchange.conn
     ended = asyncio.get_running_loop().create_future()
@@ -57,8 +57,8 @@ async def relay(exchange: Exchange, upstream: UpstreamConnection, status: int, r
             upstream.pause_reading("tunnel")
             downstream.when_writable(lambda: upstream.resume_reading("tunnel"))
 
-    switch = [(n, v) for n, v in fields if n.lower() not in _NOT_RELAYED_ON_SWITCH]
-    downstream.write(wire.response_head(status, reason, switch))
+    downstream.write(wire.status_line(status, reason)
+                     + wire.raw_lines(raw, lowered, _NOT_RELAYED_ON_SWITCH) + b"\r\n")
     exchange.started = True
     early_from_downstream = exchange.take_over(to_upstream)
     upstream.switch(to_downstream, end)

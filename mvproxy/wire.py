@@ -13,6 +13,9 @@ from collections.abc import Iterable
 
 Fields = list[tuple[str, str]]
 """Header fields in order, names as received (HTTP names are case-insensitive)."""
+RawFields = list[tuple[bytes, bytes]]
+"""The same as bytes, as llhttp hands them over: an upstream's answer is relayed without
+decoding (llhttp already refused CR, LF and NUL in names and values)."""
 
 # RFC 9110 §7.6.1 connection-specific fields, plus Host (each hop sets its own) and
 # the framing fields (each hop frames the body itself).
@@ -21,6 +24,7 @@ HOP_BY_HOP = frozenset((
     "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
 ))
 FRAMING = frozenset(("content-length", "transfer-encoding"))
+HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
 
 LAST_CHUNK = b"0\r\n\r\n"
 _UNSAFE = ("\r", "\n", "\0")
@@ -56,6 +60,30 @@ def connection_tokens(fields: Fields) -> set[str]:
         if name.lower() == "connection":
             tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
     return tokens
+
+
+def raw_connection_tokens(raw: RawFields, lowered: list[bytes]) -> set[bytes]:
+    """``connection_tokens`` for raw fields (``lowered``: their names, lowercased)."""
+    tokens: set[bytes] = set()
+    for (_, value), name in zip(raw, lowered):
+        if name == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return tokens
+
+
+def decoded(raw: RawFields) -> Fields:
+    return [(n.decode("latin-1"), v.decode("latin-1")) for n, v in raw]
+
+
+def status_line(status: int, reason: bytes) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, reason or reason_phrase(status).encode())
+
+
+def raw_lines(raw: RawFields, lowered: list[bytes], dropped: frozenset[bytes] | set[bytes]
+              ) -> bytes:
+    """The fields whose lowercased name is not in ``dropped``, as header lines."""
+    return b"".join([n + b": " + v + b"\r\n" for (n, v), low in zip(raw, lowered)
+                     if low not in dropped])
 
 
 def values(fields: Fields, name: str) -> list[str]:
