@@ -12,12 +12,18 @@ The merged bytes and ETag are rendered once per cache generation. Before answeri
 from the cache, mvproxy asks the backend the same question with the downstream's
 credentials (``If-None-Match``, so it usually costs a 304): mvproxy must never show
 discovery to a client the backend would refuse, and it cannot judge a bearer
-token itself.
+token itself. A yes is remembered for ``AUTHORIZED_TTL`` per set of credentials
+(kube-apiserver itself caches a successful token authentication for 10 s), by a
+hash, never the credentials themselves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mvproxy import discovery, forwarding
@@ -33,6 +39,21 @@ from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
 
+AUTHORIZED_TTL = 10.0
+"""Seconds a backend's yes to a discovery probe is reused for the same credentials."""
+AUTHORIZED_MAX = 10_000
+"""Credential sets remembered at most (oldest forgotten first)."""
+
+
+def _credentials_key(exchange: Exchange) -> bytes:
+    """Who is asking: the connection's identity and every credential header, hashed."""
+    digest = hashlib.sha256(repr((exchange.downstream.kind, exchange.downstream.user,
+                                  exchange.downstream.groups)).encode())
+    for name, value in exchange.raw:
+        if name.lower().startswith((b"authorization", b"impersonate-")):
+            digest.update(name.lower() + b"\0" + value + b"\0")
+    return digest.digest()
+
 
 @dataclass
 class DiscoveryHandler:
@@ -44,6 +65,8 @@ class DiscoveryHandler:
     max_bytes: int
     retry_after: int
     _probe_etags: dict[str, str] = field(default_factory=dict)
+    _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
+    clock: Callable[[], float] = time.monotonic
 
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
         headers = exchange.headers
@@ -94,6 +117,10 @@ class DiscoveryHandler:
         """True if the backend answers this downstream's discovery; else its refusal
         has been relayed."""
         probe_path = "/api" if _is_core(path) else "/apis"
+        key = (_credentials_key(exchange), probe_path)
+        now = self.clock()
+        if self._authorized.get(key, 0.0) > now:
+            return True
         headers = forwarding.request_headers(exchange.fields, exchange.downstream,
                                              to_peer=False)
         headers["Accept"] = discovery.PEER_ACCEPT
@@ -112,6 +139,10 @@ class DiscoveryHandler:
         if answer.status == 200 and answer.headers.get("ETag"):
             self._probe_etags[probe_path] = answer.headers["ETag"]
         if answer.status in (200, 304):
+            self._authorized[key] = now + AUTHORIZED_TTL
+            self._authorized.move_to_end(key)
+            while len(self._authorized) > AUTHORIZED_MAX:
+                self._authorized.popitem(last=False)
             return True
         content_type = answer.headers.get("Content-Type", "application/json")
         exchange.respond(answer.status, [("Content-Type", content_type)], answer.body)

@@ -59,6 +59,8 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
     async def record(request: web.Request, handler):
         if seen is not None and request.path not in ("/api", "/apis"):
             seen.append((request.method, request.raw_path))
+        elif seen is not None and "Authorization" in request.headers:  # discovery probes
+            seen.append(("PROBE " + request.path, request.headers["Authorization"]))
         return await handler(request)
 
     catalog = load_catalog(version)
@@ -143,7 +145,8 @@ class Cluster:
         self.health = health
         """The first peer's discovery: ``health["discovery"] = False`` answers 500;
         ``health["mode"]`` = garbage, not-discovery, huge, slow or truncated misbehaves."""
-        """(method, raw target) each fake received, by "backend" and "peer" (no polls)."""
+        """(method, raw target) each fake received, by "backend" and "peer" (no polls);
+        discovery requests with a bearer token as ("PROBE <path>", Authorization)."""
         self.port = int(base.rsplit(":", 1)[1])
 
     async def raw(self, data: bytes, *, who: str = "admin", limit: int = 1 << 20) -> bytes:

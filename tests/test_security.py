@@ -369,3 +369,25 @@ async def test_connect_is_refused_whatever_its_target(aiohttp_server, root):
         answer = await c.raw(request("/api/v1/namespaces", method="CONNECT"))
         assert status_of(answer) == 405
         assert c.seen == {"backend": [], "peer": []}
+
+
+# --------------------------------------------------------------------------- discovery probes
+
+AGGREGATED = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+
+
+def probes(c: Cluster) -> list[str]:
+    return [auth for what, auth in c.seen["backend"] if what == "PROBE /apis"]
+
+
+async def test_a_discovery_yes_is_remembered_briefly_per_credentials(aiohttp_server, root):
+    """Merged discovery asks the backend first with the client's credentials; a yes is
+    reused for the same credentials (10 s), a new token is asked about again."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for token in ("alpha", "alpha", "alpha", "beta"):
+            answer = await c.raw(request("/apis", headers=f"Accept: {AGGREGATED}\r\n"
+                                                          f"Authorization: Bearer {token}\r\n"),
+                                 who="bearer")
+            assert status_of(answer) == 200
+        assert probes(c) == ["Bearer alpha", "Bearer beta"]
