@@ -40,6 +40,7 @@ only in group metadata and freshness, which no client reads from a merged docume
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -610,6 +611,19 @@ def _outcome(media_type: str, params: Mapping[str, str]) -> Negotiated | None:
 
 
 def negotiate(accept: str | None) -> Negotiated:
+    """Choose the answer for ``GET /api`` or ``/apis`` (memoised for the short Accept
+    values clients send; the memo stays small whatever they send)."""
+    if accept is not None and len(accept) <= 512:
+        return _negotiate_memo(accept)
+    return _negotiate(accept)
+
+
+@functools.lru_cache(maxsize=256)
+def _negotiate_memo(accept: str) -> Negotiated:
+    return _negotiate(accept)
+
+
+def _negotiate(accept: str | None) -> Negotiated:
     """Choose the answer for ``GET /api`` or ``/apis``: first acceptable clause wins.
 
     Aggregated JSON (v2, v2beta1) → the merged document; plain JSON or a wildcard or

@@ -46,13 +46,21 @@ AUTHORIZED_MAX = 10_000
 
 
 def _credentials_key(exchange: Exchange) -> bytes:
-    """Who is asking: the connection's identity and every credential header, hashed."""
+    """Who is asking: the connection's identity and every credential header, hashed
+    (once per connection while its credentials stay the same)."""
+    credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
+                        if name[:1] in b"aAiI"
+                        and name.lower().startswith((b"authorization", b"impersonate-")))
+    memo = exchange.conn.credentials_memo
+    if memo is not None and memo[0] == credentials:
+        return memo[1]
     digest = hashlib.sha256(repr((exchange.downstream.kind, exchange.downstream.user,
                                   exchange.downstream.groups)).encode())
-    for name, value in exchange.raw:
-        if name.lower().startswith((b"authorization", b"impersonate-")):
-            digest.update(name.lower() + b"\0" + value + b"\0")
-    return digest.digest()
+    for credential in credentials:
+        digest.update(credential + b"\0")
+    key = digest.digest()
+    exchange.conn.credentials_memo = (credentials, key)
+    return key
 
 
 @dataclass
@@ -67,6 +75,23 @@ class DiscoveryHandler:
     _probe_etags: dict[str, str] = field(default_factory=dict)
     _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
     clock: Callable[[], float] = time.monotonic
+
+    def handle_now(self, exchange: Exchange, info: RequestInfo) -> bool:
+        """Answer at once when no upstream is needed: a merged document for credentials
+        the backend said yes to within ``AUTHORIZED_TTL``. False: use ``handle``."""
+        if exchange.downstream.is_peer:
+            return False
+        negotiated = discovery.negotiate(exchange.headers.get("Accept"))
+        if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
+            return False
+        view = self.cache.view()
+        if not view.synced or view.merged() is None:
+            return False
+        probe_path = "/api" if _is_core(info.path) else "/apis"
+        if self._authorized.get((_credentials_key(exchange), probe_path), 0.0) <= self.clock():
+            return False
+        self._merged(exchange, view, negotiated, core=_is_core(info.path))
+        return True
 
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
         headers = exchange.headers

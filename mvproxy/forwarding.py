@@ -118,16 +118,24 @@ def request_headers(fields: wire.Fields, downstream: Downstream, *,
     return out
 
 
-def backend_head(exchange: Exchange, authority: bytes) -> tuple[bytes, bool]:
-    """The request head for the backend, built from the client's raw fields with the
+def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
+                  ) -> tuple[bytes, bool]:
+    """The request head for an upstream, built from the client's raw fields with the
     same rules as ``request_headers`` (the hot path: nothing is decoded), and whether
-    it asserts a user (then it goes with the front-proxy certificate)."""
+    it asserts a user (then it goes to the backend with the front-proxy certificate).
+    ``audit_id``: to a peer, marked peer-proxied, with this Audit-ID unless the client
+    sent one."""
     downstream = exchange.downstream
-    kept = _kept(exchange.raw, downstream.is_peer, False, _RAW)
+    to_peer = bool(audit_id)
+    kept = _kept(exchange.raw, downstream.is_peer, to_peer, _RAW)
     parts = [b"%b %b HTTP/1.1\r\nHost: %b\r\n" % (exchange.raw_method, exchange.raw_target,
                                                      authority)]
     parts += [name + b": " + value + b"\r\n" for _, name, value in kept]
     parts.append(downstream.header_lines)
+    if to_peer:
+        parts.append(b"x-kubernetes-peer-proxied: true\r\n")
+        if not any(lowered == b"audit-id" for lowered, _, _ in kept):
+            parts.append(b"Audit-ID: " + audit_id + b"\r\n")
     if exchange.has_body:
         parts.append(b"Transfer-Encoding: chunked\r\n" if exchange.chunked
                      else b"Content-Length: %d\r\n" % exchange.body_length)
@@ -258,17 +266,19 @@ def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
                 head: bytes, *, long_running: bool,
                 finished: Callable[[ForwardError | _StaleConnection | None, bool], None]
                 ) -> _Inline | None:
-    """The common case without a coroutine: a plain request to the backend, on an idle
-    pooled connection, moved entirely by protocol callbacks. None: nothing was done
-    (no idle connection, an upgrade, a peer), use ``forward``. ``finished(failure,
+    """The common case without a coroutine: a plain request on an idle pooled
+    connection, moved entirely by protocol callbacks. None: nothing was done (no idle
+    connection, or an upgrade), use ``forward``. ``finished(failure,
     cancelled)`` is called once: failure None when the answer went out (or was cut),
     else what stopped it before any answer (the caller continues in a coroutine)."""
-    if exchange.upgrade or upstream.is_peer:
+    if exchange.upgrade:
         return None
     pool = transport.pool(upstream)
     conn = pool.take_idle()
     if conn is None:
         return None
+    if upstream.is_peer and exchange.has_body:
+        exchange.keep_body_copy(REPLAY_LIMIT)
     inline = _Inline(exchange, transport, pool, conn, long_running, finished)
     inline.start(head)
     return inline
@@ -284,8 +294,8 @@ class _Inline:
                  finished: Callable[[ForwardError | _StaleConnection | None, bool], None]):
         self.exchange, self.transport, self.pool, self.conn = exchange, transport, pool, conn
         self.long_running, self.finished = long_running, finished
-        self.relay = _Relay(exchange, conn, transport.loop, check_unserved=False,
-                            notify=self.settled)
+        self.relay = _Relay(exchange, conn, transport.loop,
+                            check_unserved=pool.upstream.is_peer, notify=self.settled)
 
     def start(self, head: bytes) -> None:
         transport, relay, exchange = self.transport, self.relay, self.exchange

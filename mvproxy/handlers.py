@@ -13,6 +13,7 @@ import functools
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -74,10 +75,14 @@ class Proxy:
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
                                   rng=self.rng)
+        if decision.route == routing.PEER:
+            return self._peer_now(exchange, info, decision.peers, long_running)
+        if decision.route == routing.DISCOVERY:
+            return self._discovery_now(exchange, info)
         if decision.route != routing.BACKEND:
             return False
         backend = self.backend
-        head, asserts_user = forwarding.backend_head(exchange, backend.raw_authority)
+        head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority)
         upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
         inflight, duration = self._route_metrics(routing.BACKEND)
         started = time.perf_counter()
@@ -97,6 +102,75 @@ class Proxy:
         inflight.inc()
         if long_running:
             self.metrics.open_watches.inc()
+        return True
+
+    def _peer_now(self, exchange: Exchange, info: RequestInfo, candidates: tuple[str, ...],
+                  long_running: bool) -> bool:
+        """``handle_now`` for the peer route: the first capable peer, if it has an idle
+        pooled connection; a failure before any answer continues with the others in a
+        coroutine (``_to_peers``), with the same Audit-ID."""
+        upstreams = self.peers()
+        first = upstreams.get(candidates[0]) if candidates else None
+        if first is None:
+            return False
+        audit_id = str(uuid.uuid4())
+        head, _ = forwarding.upstream_head(exchange, first.raw_authority,
+                                           audit_id=audit_id.encode())
+        inflight, duration = self._route_metrics(routing.PEER)
+        started = time.perf_counter()
+        gvr = _gvr_labels(info)
+
+        def finished(failure, cancelled: bool) -> None:
+            if failure is None:
+                if not cancelled:
+                    self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
+                self._done(inflight, duration, started, long_running)
+                exchange.conn.finish(exchange, cancelled=cancelled)
+            else:
+                exchange.conn.continue_with(exchange, self._peers_after(
+                    exchange, info, candidates, failure, audit_id, long_running,
+                    inflight, duration, started))
+        inline = forwarding.forward_now(exchange, self.transport, first, head,
+                                        long_running=long_running, finished=finished)
+        if inline is None:
+            return False
+        exchange.cancel_hook = inline.cancel
+        inflight.inc()
+        if long_running:
+            self.metrics.open_watches.inc()
+        return True
+
+    async def _peers_after(self, exchange: Exchange, info: RequestInfo,
+                           candidates: tuple[str, ...], failure, audit_id: str,
+                           long_running: bool, inflight, duration, started: float) -> None:
+        """The first peer failed before any answer: as ``_to_peers`` would go on. A stale
+        pooled connection tries that peer again afresh; otherwise the next ones."""
+        headers = forwarding.request_headers(exchange.fields, exchange.downstream,
+                                             to_peer=True)
+        headers[forwarding.AUDIT_ID] = headers.get(forwarding.AUDIT_ID, audit_id)
+        try:
+            if isinstance(failure, ForwardError):
+                log.log(V(3), "peer request failed", extra=kv(
+                    peer=candidates[0], error=str(failure)[:300], retry=failure.retryable))
+                await self._to_peers(exchange, exchange.downstream, info, candidates[1:],
+                                     long_running, headers=headers, last=failure)
+            else:
+                pool = self.transport.pool(self.peers()[candidates[0]])
+                for idle in list(pool.idle):
+                    idle.close()
+                pool.idle.clear()
+                await self._to_peers(exchange, exchange.downstream, info, candidates,
+                                     long_running, headers=headers)
+        finally:
+            self._done(inflight, duration, started, long_running)
+
+    def _discovery_now(self, exchange: Exchange, info: RequestInfo) -> bool:
+        _, duration = self._route_metrics(routing.DISCOVERY)
+        started = time.perf_counter()
+        if not self.discovery.handle_now(exchange, info):
+            return False
+        duration.observe(time.perf_counter() - started)
+        exchange.conn.finish(exchange)
         return True
 
     def _done(self, inflight, duration, started: float, long_running: bool) -> None:
@@ -190,13 +264,17 @@ class Proxy:
             reply(exchange, self._backend_failure(exchange, exc))
 
     async def _to_peers(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
-                        candidates: tuple[str, ...], long_running: bool) -> None:
-        """Try capable peers in order; move on only when nothing may have reached one."""
+                        candidates: tuple[str, ...], long_running: bool, *,
+                        headers=None, last: ForwardError | None = None) -> None:
+        """Try capable peers in order; move on only when nothing may have reached one.
+        ``last``: an earlier attempt's failure (from ``_peer_now``)."""
         upstreams = self.peers()
         gvr = _gvr_labels(info)
-        last: ForwardError | None = None
         # One Audit-ID for every attempt: the peers' audit logs show one request.
-        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=True)
+        if headers is None:
+            headers = forwarding.request_headers(exchange.fields, downstream, to_peer=True)
+        if last is not None and not last.retryable:
+            candidates = ()
         for peer_id in candidates:
             upstream = upstreams.get(peer_id)
             if upstream is None:
@@ -257,10 +335,21 @@ class Proxy:
             headers={"Retry-After": str(self.retry_after)})
 
 
-@functools.lru_cache(maxsize=4096)
+MEMO_KEY_MAX = 512
+"""Longest path + query memoised: the keys are client input, and the memo must stay
+small whatever clients send (4,096 entries of at most this size)."""
+
+
 def request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
-    """kube's RequestInfo and whether the request is long-running, memoised: most
-    requests repeat (watches, lists, controllers' gets)."""
+    """kube's RequestInfo and whether the request is long-running, memoised for short
+    targets: most requests repeat (watches, lists, controllers' gets)."""
+    if len(path) + len(query) <= MEMO_KEY_MAX:
+        return _request_info(method, path, query)
+    return _request_info.__wrapped__(method, path, query)
+
+
+@functools.lru_cache(maxsize=4096)
+def _request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
     info = parse_request_info(method, path, query)
     return info, is_long_running(info, query)
 

@@ -401,6 +401,8 @@ class DownstreamConnection(asyncio.Protocol):
         self._paused_by: set[str] = set()
         self._write_paused = False
         self._write_waiters: list[Callable[[], None]] = []
+        self.credentials_memo: tuple[tuple[bytes, ...], bytes] | None = None
+        """(credential header lines, their hash) of the last request (discovery's memo)."""
         self._upgrading: Exchange | None = None
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None

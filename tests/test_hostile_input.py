@@ -308,3 +308,17 @@ async def test_no_token_key_or_body_in_any_log_line(aiohttp_server, root, caplog
             assert secret not in line, f"the {what} reached the log: {line[:300]}"
     record(SUITE, f"planted token, API key, body and query secrets, DEBUG level, {fmt} logs",
            len(lines), "no secret in any line")
+
+
+def test_memos_keyed_by_client_input_stay_small():
+    """Request info and Accept negotiation are memoised; keys are client input, so only
+    short ones are kept (4,096 and 256 entries of at most 512 characters)."""
+    from mvproxy import handlers
+    before = handlers._request_info.cache_info().currsize
+    handlers.request_info("GET", "/api/v1/namespaces/" + "x" * 5000, "")
+    handlers.request_info("GET", "/api/v1/pods", "watch=" + "1" * 5000)
+    assert handlers._request_info.cache_info().currsize == before
+    assert handlers._request_info.cache_info().maxsize == 4096
+    before = discovery._negotiate_memo.cache_info().currsize
+    discovery.negotiate("application/json;" + "x=y;" * 500)
+    assert discovery._negotiate_memo.cache_info().currsize == before
