@@ -434,7 +434,11 @@ def _merge_group_lists(lists: Sequence[Sequence[dict]]) -> tuple[dict, ...]:
     for groups in lists:
         for group in groups:
             name = group_name(group)
-            by_name[name] = _merge_group(by_name[name], group) if name in by_name else group
+            existing = by_name.get(name)
+            if existing is None:
+                by_name[name] = group
+            elif existing != group:  # most groups are the same everywhere: compare in C
+                by_name[name] = _merge_group(existing, group)
     names = [[group_name(g) for g in groups] for groups in lists]
     same = all(n == names[0] for n in names)
     order = names[0] if same else merge_preserving_relative_order(names)
