@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 
 from mvproxy import forwarding, openapi, routing
@@ -84,16 +84,47 @@ class Proxy:
         backend = self.backend
         head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority)
         upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
-        inflight, duration = self._route_metrics(routing.BACKEND)
+        return self._inline(exchange, upstream, head, routing.BACKEND, long_running,
+                            succeeded=None,
+                            failed=lambda failure: self._recover(exchange, upstream, failure,
+                                                                 long_running))
+
+    def _peer_now(self, exchange: Exchange, info: RequestInfo, candidates: tuple[str, ...],
+                  long_running: bool) -> bool:
+        """``handle_now`` for the peer route: the first capable peer, if it has an idle
+        pooled connection; a failure before any answer continues with the others in a
+        coroutine (``_to_peers``), with the same Audit-ID."""
+        first = self.peers().get(candidates[0]) if candidates else None
+        if first is None:
+            return False
+        audit_id = str(uuid.uuid4())
+        head, _ = forwarding.upstream_head(exchange, first.raw_authority,
+                                           audit_id=audit_id.encode())
+        gvr = _gvr_labels(info)
+        return self._inline(
+            exchange, first, head, routing.PEER, long_running,
+            succeeded=lambda: self.metrics.rerouted_requests.labels(
+                str(exchange.status), *gvr).inc(),
+            failed=lambda failure: self._peers_after(exchange, info, candidates, failure,
+                                                     audit_id, long_running))
+
+    def _inline(self, exchange: Exchange, upstream: Upstream, head: bytes, route: str,
+                long_running: bool, *, succeeded: Callable[[], None] | None,
+                failed: Callable[[object], Coroutine]) -> bool:
+        """Start ``forward_now``; on success ``succeeded()``, on a failure before any
+        answer continue in the coroutine ``failed(failure)``. False: nothing started."""
+        inflight, duration = self._route_metrics(route)
         started = time.perf_counter()
 
         def finished(failure, cancelled: bool) -> None:
             if failure is None:
+                if succeeded is not None and not cancelled:
+                    succeeded()
                 self._done(inflight, duration, started, long_running)
                 exchange.conn.finish(exchange, cancelled=cancelled)
-            else:  # nothing was answered: retry or explain, in a coroutine
-                exchange.conn.continue_with(exchange, self._recover(
-                    exchange, upstream, failure, long_running, inflight, duration, started))
+            else:
+                exchange.conn.continue_with(exchange, self._then_done(
+                    failed(failure), inflight, duration, started, long_running))
         inline = forwarding.forward_now(exchange, self.transport, upstream, head,
                                         long_running=long_running, finished=finished)
         if inline is None:
@@ -104,65 +135,37 @@ class Proxy:
             self.metrics.open_watches.inc()
         return True
 
-    def _peer_now(self, exchange: Exchange, info: RequestInfo, candidates: tuple[str, ...],
-                  long_running: bool) -> bool:
-        """``handle_now`` for the peer route: the first capable peer, if it has an idle
-        pooled connection; a failure before any answer continues with the others in a
-        coroutine (``_to_peers``), with the same Audit-ID."""
-        upstreams = self.peers()
-        first = upstreams.get(candidates[0]) if candidates else None
-        if first is None:
-            return False
-        audit_id = str(uuid.uuid4())
-        head, _ = forwarding.upstream_head(exchange, first.raw_authority,
-                                           audit_id=audit_id.encode())
-        inflight, duration = self._route_metrics(routing.PEER)
-        started = time.perf_counter()
-        gvr = _gvr_labels(info)
-
-        def finished(failure, cancelled: bool) -> None:
-            if failure is None:
-                if not cancelled:
-                    self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
-                self._done(inflight, duration, started, long_running)
-                exchange.conn.finish(exchange, cancelled=cancelled)
-            else:
-                exchange.conn.continue_with(exchange, self._peers_after(
-                    exchange, info, candidates, failure, audit_id, long_running,
-                    inflight, duration, started))
-        inline = forwarding.forward_now(exchange, self.transport, first, head,
-                                        long_running=long_running, finished=finished)
-        if inline is None:
-            return False
-        exchange.cancel_hook = inline.cancel
-        inflight.inc()
-        if long_running:
-            self.metrics.open_watches.inc()
-        return True
+    async def _then_done(self, coro: Coroutine, inflight, duration, started: float,
+                         long_running: bool) -> None:
+        try:
+            await coro
+        finally:
+            self._done(inflight, duration, started, long_running)
 
     async def _peers_after(self, exchange: Exchange, info: RequestInfo,
                            candidates: tuple[str, ...], failure, audit_id: str,
-                           long_running: bool, inflight, duration, started: float) -> None:
+                           long_running: bool) -> None:
         """The first peer failed before any answer: as ``_to_peers`` would go on. A stale
         pooled connection tries that peer again afresh; otherwise the next ones."""
         headers = forwarding.request_headers(exchange.fields, exchange.downstream,
                                              to_peer=True)
         headers[forwarding.AUDIT_ID] = headers.get(forwarding.AUDIT_ID, audit_id)
-        try:
-            if isinstance(failure, ForwardError):
-                log.log(V(3), "peer request failed", extra=kv(
-                    peer=candidates[0], error=str(failure)[:300], retry=failure.retryable))
-                await self._to_peers(exchange, exchange.downstream, info, candidates[1:],
-                                     long_running, headers=headers, last=failure)
-            else:
-                pool = self.transport.pool(self.peers()[candidates[0]])
-                for idle in list(pool.idle):
-                    idle.close()
-                pool.idle.clear()
-                await self._to_peers(exchange, exchange.downstream, info, candidates,
-                                     long_running, headers=headers)
-        finally:
-            self._done(inflight, duration, started, long_running)
+        if isinstance(failure, ForwardError):
+            log.log(V(3), "peer request failed", extra=kv(
+                peer=candidates[0], error=str(failure)[:300], retry=failure.retryable))
+            await self._to_peers(exchange, exchange.downstream, info, candidates[1:],
+                                 long_running, headers=headers, last=failure)
+            return
+        self._drop_idle(self.peers()[candidates[0]])
+        await self._to_peers(exchange, exchange.downstream, info, candidates,
+                             long_running, headers=headers)
+
+    def _drop_idle(self, upstream: Upstream) -> None:
+        """After a stale pooled connection: the others to that upstream likely died too."""
+        pool = self.transport.pool(upstream)
+        for idle in list(pool.idle):
+            idle.close()
+        pool.idle.clear()
 
     def _discovery_now(self, exchange: Exchange, info: RequestInfo) -> bool:
         _, duration = self._route_metrics(routing.DISCOVERY)
@@ -180,17 +183,14 @@ class Proxy:
             self.metrics.open_watches.dec()
 
     async def _recover(self, exchange: Exchange, upstream: Upstream, failure,
-                       long_running: bool, inflight, duration, started: float) -> None:
+                       long_running: bool) -> None:
         """After ``handle_now`` failed before any answer: a stale pooled connection is
-        retried once on a fresh one (``forward`` drops the other idle ones); anything
-        else is answered as ``_to_backend`` would."""
+        retried once on a fresh one; anything else is answered as ``_to_backend``
+        would."""
         try:
             if isinstance(failure, ForwardError):
                 raise failure
-            pool = self.transport.pool(upstream)
-            for idle in list(pool.idle):
-                idle.close()
-            pool.idle.clear()
+            self._drop_idle(upstream)
             headers = forwarding.request_headers(exchange.fields, exchange.downstream,
                                                  to_peer=False)
             await forwarding.forward(exchange, self.transport, upstream, headers,
@@ -198,8 +198,6 @@ class Proxy:
         except ForwardError as exc:
             log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
             reply(exchange, self._backend_failure(exchange, exc))
-        finally:
-            self._done(inflight, duration, started, long_running)
 
     def _backend_failure(self, exchange: Exchange, exc: ForwardError) -> Reply:
         answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,

@@ -27,7 +27,6 @@ else the connection is closed (the client sees a truncated response, never a lie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -44,6 +43,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from mvproxy import wire
+from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv
@@ -375,13 +375,13 @@ class Exchange:
 # --------------------------------------------------------------------------- connection
 
 
-class DownstreamConnection(asyncio.Protocol):
+class DownstreamConnection(FlowControl):
     """One client connection: parses requests, runs the handler for each in turn."""
 
     def __init__(self, listener: Listener):
+        self._flow_init()
         self.listener = listener
         self.loop = listener.loop
-        self.transport: asyncio.Transport | None = None
         self.downstream: Downstream = listener.anonymous
         self.client_address = ""
         self.deadline = 0.0
@@ -398,9 +398,6 @@ class DownstreamConnection(asyncio.Protocol):
         self._active: Exchange | None = None
         self._queue: deque[Exchange] = deque()
         self._task: asyncio.Task | None = None
-        self._paused_by: set[str] = set()
-        self._write_paused = False
-        self._write_waiters: list[Callable[[], None]] = []
         self.credentials_memo: tuple[tuple[bytes, ...], bytes] | None = None
         """(credential header lines, their hash) of the last request (discovery's memo)."""
         self._upgrading: Exchange | None = None
@@ -426,9 +423,7 @@ class DownstreamConnection(asyncio.Protocol):
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
             sink()
-        for waiter in self._write_waiters:
-            waiter()
-        self._write_waiters.clear()
+        self._wake_writers()
         self.cancel()  # the client left: stop its request upstream too
 
     def eof_received(self) -> bool | None:
@@ -436,15 +431,6 @@ class DownstreamConnection(asyncio.Protocol):
             sink, self._eof_sink = self._eof_sink, None
             sink()
         return False  # TLS cannot half-close: the connection ends
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        waiters, self._write_waiters = self._write_waiters, []
-        for waiter in waiters:
-            waiter()
 
     def data_received(self, data: bytes) -> None:
         if self._raw_sink is not None:
@@ -668,39 +654,15 @@ class DownstreamConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- I/O helpers
 
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
     @property
-    def paused_writing(self) -> bool:
-        return self._write_paused
-
-    def when_writable(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the client reads again (at once if it does)."""
-        if self._write_paused and not self.closing:
-            self._write_waiters.append(callback)
-        else:
-            callback()
+    def ended(self) -> bool:
+        return self.closing
 
     async def drain(self) -> None:
         if self._write_paused and not self.closing:
             waiter = self.loop.create_future()
             self._write_waiters.append(lambda: waiter.done() or waiter.set_result(None))
             await waiter
-
-    def pause_reading(self, reason: str) -> None:
-        if not self._paused_by and self.transport is not None:
-            with contextlib.suppress(RuntimeError):
-                self.transport.pause_reading()
-        self._paused_by.add(reason)
-
-    def resume_reading(self, reason: str) -> None:
-        if reason in self._paused_by:
-            self._paused_by.discard(reason)
-            if not self._paused_by and self.transport is not None and not self.closing:
-                with contextlib.suppress(RuntimeError):
-                    self.transport.resume_reading()
 
     def switch(self, sink: Callable[[bytes], None]) -> None:
         """Raw mode: bytes go to ``sink`` from now on (a tunnel)."""

@@ -45,6 +45,7 @@ from mvproxy.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from mvproxy.flow import FlowControl
 from mvproxy.requestcheck import target_problem
 
 log = logging.getLogger(__name__)
@@ -133,13 +134,13 @@ class ResponseHandler(Protocol):
 # --------------------------------------------------------------------------- connection
 
 
-class UpstreamConnection(asyncio.Protocol):
+class UpstreamConnection(FlowControl):
     """One TLS connection to an upstream, carrying one request at a time."""
 
     def __init__(self, pool: Pool):
+        self._flow_init()
         self.pool = pool
         self.upstream = pool.upstream
-        self.transport: asyncio.Transport | None = None
         self.closed = False
         self.requests = 0
         self.idle_since = 0.0
@@ -158,9 +159,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = True
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None
-        self._write_paused = False
-        self._write_waiters: list[Callable[[], None]] = []
-        self._read_paused_by: set[str] = set()
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -193,18 +191,6 @@ class UpstreamConnection(asyncio.Protocol):
             sink, self._eof_sink = self._eof_sink, None
             sink()
         return False
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self._wake_writers()
-
-    def _wake_writers(self) -> None:
-        waiters, self._write_waiters = self._write_waiters, []
-        for waiter in waiters:
-            waiter()
 
     def data_received(self, data: bytes) -> None:
         if self._raw_sink is not None:
@@ -305,32 +291,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._interim = False
         self.write(head)
 
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
     @property
-    def paused_writing(self) -> bool:
-        return self._write_paused
-
-    def when_writable(self, callback: Callable[[], None]) -> None:
-        if self._write_paused and not self.closed:
-            self._write_waiters.append(callback)
-        else:
-            callback()
-
-    def pause_reading(self, reason: str) -> None:
-        if not self._read_paused_by and self.transport is not None:
-            with contextlib.suppress(RuntimeError):
-                self.transport.pause_reading()
-        self._read_paused_by.add(reason)
-
-    def resume_reading(self, reason: str) -> None:
-        if reason in self._read_paused_by:
-            self._read_paused_by.discard(reason)
-            if not self._read_paused_by and self.transport is not None and not self.closed:
-                with contextlib.suppress(RuntimeError):
-                    self.transport.resume_reading()
+    def ended(self) -> bool:
+        return self.closed
 
     @property
     def reusable(self) -> bool:

@@ -298,6 +298,12 @@ def body_of(answer: bytes) -> dict:
     return json.loads(answer.partition(b"\r\n\r\n")[2])
 
 
+async def ready(c: Cluster) -> None:
+    """Let the first peer poll finish and wait for the first complete sync."""
+    c.gate.set()
+    await c.until(lambda: synced(c), "the first complete sync")
+
+
 async def synced(c: Cluster) -> bool:
     status, _ = await c.admin_get("/readyz")
     return status == 200

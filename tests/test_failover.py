@@ -21,11 +21,10 @@ from aiohttp import web
 from daemon_support import (  # root: the module's PKI fixture
     PODGROUPS,
     WAIT,
-    Cluster,
     cluster,
+    ready,
     root,  # noqa: F401
-    synced,
-)
+    )
 from reliability import record
 
 from mvproxy.forwarding import UNSERVED
@@ -33,10 +32,6 @@ from mvproxy.forwarding import UNSERVED
 PODGROUP = {"apiVersion": "scheduling.k8s.io/v1alpha2", "kind": "PodGroup",
             "metadata": {"name": "gang", "namespace": "default"}}
 
-
-async def ready(c: Cluster) -> None:
-    c.gate.set()
-    await c.until(lambda: synced(c), "the first complete sync")
 
 
 def first_answer_unserved(answers: list[str], marker: bool = True):

@@ -20,18 +20,14 @@ from daemon_support import (  # root: the module's PKI fixture
     Cluster,
     body_of,
     cluster,
+    ready,
     root,  # noqa: F401
     status_of,
-    synced,
 )
 from reliability import record
 
 SHORT = {"headerReadTimeout": "500ms", "idleTimeout": "500ms"}
 
-
-async def ready(c: Cluster) -> None:
-    c.gate.set()
-    await c.until(lambda: synced(c), "the first complete sync")
 
 
 async def tls_connect(c: Cluster, who: str = "admin"):

@@ -25,9 +25,9 @@ from daemon_support import (  # root: the module's PKI fixture
     Cluster,
     body_of,
     cluster,
+    ready,
     root,  # noqa: F401
     status_of,
-    synced,
 )
 
 from mvproxy import pki
@@ -63,10 +63,6 @@ def request(target: str, *, method: str = "GET", version: str = "HTTP/1.1",
             headers: str = "", body: bytes = b"") -> bytes:
     return (f"{method} {target} {version}\r\nHost: mvproxy\r\n{headers}\r\n").encode() + body
 
-
-async def ready(c: Cluster) -> None:
-    c.gate.set()
-    await c.until(lambda: synced(c), "the first complete sync")
 
 
 # --------------------------------------------------------------------------- open proxy
