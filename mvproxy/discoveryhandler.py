@@ -43,6 +43,9 @@ AUTHORIZED_TTL = 10.0
 """Seconds a backend's yes to a discovery probe is reused for the same credentials."""
 AUTHORIZED_MAX = 10_000
 """Credential sets remembered at most (oldest forgotten first)."""
+MEMO_MAX_BYTES = 16 * 1024
+"""Credentials larger than this are hashed on every request rather than kept on the
+connection (a token is a few KiB; the head limit allows a MiB per idle connection)."""
 
 
 def _credentials_key(exchange: Exchange) -> bytes:
@@ -59,7 +62,8 @@ def _credentials_key(exchange: Exchange) -> bytes:
     for credential in credentials:
         digest.update(credential + b"\0")
     key = digest.digest()
-    exchange.conn.credentials_memo = (credentials, key)
+    if sum(map(len, credentials)) <= MEMO_MAX_BYTES:  # an idle connection holds it
+        exchange.conn.credentials_memo = (credentials, key)
     return key
 
 

@@ -70,6 +70,7 @@ class _Names:
     underscore: str | bytes
     connection: str | bytes
     comma: str | bytes
+    ows: str | bytes
     remote_prefix: str | bytes
     peer_proxied: str | bytes
     remote_user: str | bytes
@@ -89,7 +90,10 @@ def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> list:
         lowered = name.lower()
         if lowered in n.dropped or n.underscore in lowered:
             if lowered == n.connection:
-                tokens = (tokens or set()) | {t.strip().lower() for t in value.split(n.comma)}
+                # Only HTTP's whitespace: str.strip would also take \x85 and \xa0, and
+                # the text and bytes filters would then disagree.
+                tokens = (tokens or set()) | {t.strip(n.ows).lower()
+                                              for t in value.split(n.comma)}
             continue
         if lowered.startswith(n.remote_prefix) or lowered == n.peer_proxied:
             if not peer or (to_peer and lowered == n.peer_proxied):
@@ -147,10 +151,10 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
 
 
 _REQUEST_DROPPED = HOP_BY_HOP | REFRAMED
-_TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", ",", REMOTE_PREFIX, PEER_PROXIED,
-               "x-remote-user")
+_TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", ",", " \t", REMOTE_PREFIX,
+               PEER_PROXIED, "x-remote-user")
 _RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connection", b",",
-              REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user")
+              b" \t", REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user")
 RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
 UNSERVED_RAW = UNSERVED.encode()
 
@@ -192,6 +196,12 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
     only end the stream, so the downstream connection is closed instead.
     """
     head = request_head(exchange, upstream, headers)
+    if not exchange.replayable():
+        # A retry after the body went to a connection that died, with no copy kept:
+        # announcing it again would leave the upstream waiting for bytes never sent.
+        raise ForwardError(UpstreamProtocolError(
+            upstream.name, "the connection closed after the request body was sent"),
+            retryable=False)
     if upstream.is_peer and exchange.has_body:
         exchange.keep_body_copy(REPLAY_LIMIT)
     pool = transport.pool(upstream)
@@ -449,8 +459,7 @@ class _Relay:
         if status == 101:
             return  # on_upgrade follows
         dropped = RESPONSE_DROPPED
-        if b"connection" in lowered and raw[lowered.index(b"connection")][1].lower() not in (
-                b"keep-alive", b"close"):  # the usual values name nothing else
+        if b"connection" in lowered:  # every Connection field names fields to drop
             dropped = dropped | wire.raw_connection_tokens(raw, lowered)
         length = None
         if b"content-length" in lowered:

@@ -123,8 +123,9 @@ class Proxy:
                 self._done(inflight, duration, started, long_running)
                 exchange.conn.finish(exchange, cancelled=cancelled)
             else:
-                exchange.conn.continue_with(exchange, self._then_done(
-                    failed(failure), inflight, duration, started, long_running))
+                # Accounted when the task ends, even if cancelled before it started.
+                exchange.conn.continue_with(exchange, failed(failure)).add_done_callback(
+                    lambda _: self._done(inflight, duration, started, long_running))
         inline = forwarding.forward_now(exchange, self.transport, upstream, head,
                                         long_running=long_running, finished=finished)
         if inline is None:
@@ -134,13 +135,6 @@ class Proxy:
         if long_running:
             self.metrics.open_watches.inc()
         return True
-
-    async def _then_done(self, coro: Coroutine, inflight, duration, started: float,
-                         long_running: bool) -> None:
-        try:
-            await coro
-        finally:
-            self._done(inflight, duration, started, long_running)
 
     async def _peers_after(self, exchange: Exchange, info: RequestInfo,
                            candidates: tuple[str, ...], failure, audit_id: str,

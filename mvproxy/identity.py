@@ -69,11 +69,13 @@ class Downstream:
 
 def user_downstream(user: str, groups: tuple[str, ...]) -> Downstream:
     """A certificate user, with its header lines; REFUSED if a name cannot be sent as
-    a header value (a line break, NUL or non-Latin-1 character in the subject)."""
+    a header value as it is: a control character, or surrounding space or tab (the
+    backend trims those, so `` admin`` would arrive as ``admin``)."""
+    for name in (user, *groups):
+        if name != name.strip(" \t") or any(c < " " or c == "\x7f" for c in name):
+            return UNSENDABLE_DOWNSTREAM
     lines = [f"{REMOTE_USER}: {user}\r\n", *(f"{REMOTE_GROUP}: {g}\r\n" for g in groups)]
     text = "".join(lines)
-    if text.count("\r") != len(lines) or text.count("\n") != len(lines) or "\0" in text:
-        return UNSENDABLE_DOWNSTREAM
     try:
         encoded = text.encode("latin-1")
     except UnicodeEncodeError:
@@ -84,7 +86,8 @@ def user_downstream(user: str, groups: tuple[str, ...]) -> Downstream:
 ANONYMOUS_DOWNSTREAM = Downstream(ANONYMOUS)
 UNSENDABLE_DOWNSTREAM = Downstream(
     REFUSED, reason="the client certificate's subject holds characters that cannot be "
-                    "sent in a header (a line break, NUL or non-Latin-1 character)")
+                    "sent in a header as they are (a control or non-Latin-1 character, "
+                    "or a space or tab around a name)")
 AMBIGUOUS_DOWNSTREAM = Downstream(
     REFUSED, reason="the client certificate has more than one common name (CN); "
                     "kube-apiserver would use the last one and tools show the first, so "

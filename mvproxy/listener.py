@@ -316,7 +316,7 @@ class Exchange:
         for the first write. ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
         if self.started:
             raise RuntimeError("response already started")
-        if length is not None:
+        if length is not None and status != 204:  # a 204 has no Content-Length (RFC 9110)
             head += b"Content-Length: " + length + b"\r\n"
         elif not bodiless:
             if self.version < (1, 1):
@@ -401,6 +401,8 @@ class DownstreamConnection(FlowControl):
         self.credentials_memo: tuple[tuple[bytes, ...], bytes] | None = None
         """(credential header lines, their hash) of the last request (discovery's memo)."""
         self._upgrading: Exchange | None = None
+        self._next_waiting = False
+        self._fed_body = self._framing_bytes = 0
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None
 
@@ -445,8 +447,12 @@ class DownstreamConnection(FlowControl):
             self._expect("head", self.listener.limits.header_read_timeout)
         if self._in_head and self._count_head(data):
             return
+        body = self._parsing
+        self._fed_body = 0
         try:
             self._parser.feed_data(data)
+            if body is not None and body is self._parsing:
+                self._count_framing(len(data))
         except httptools.HttpParserUpgrade as upgrade:
             if self._upgrading is not None:
                 self._early_bytes(self._upgrading, data[upgrade.args[0]:])
@@ -477,6 +483,17 @@ class DownstreamConnection(FlowControl):
             return True
         return False
 
+    def _count_framing(self, fed: int) -> None:
+        """Bound what a body carries besides its bytes: chunk-size lines, extensions and
+        trailers, which llhttp also reports only once they end. Counted since the last
+        body byte, against the head limit; refused with 431 past it."""
+        overhead = fed - self._fed_body
+        self._framing_bytes = overhead if self._fed_body else self._framing_bytes + overhead
+        if self._framing_bytes > self.listener.limits.max_header_bytes:
+            raise BadRequest(Refusal(431, "the body's chunk framing or trailers are larger "
+                                          f"than the {self.listener.limits.max_header_bytes}"
+                                          "-byte head limit"))
+
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
@@ -501,6 +518,7 @@ class DownstreamConnection(FlowControl):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes, self._tail = 0, b""  # a head pipelined behind counts afresh
+        self._framing_bytes = 0
         parser = self._parser
         version = parser.get_http_version()
         exchange = Exchange(self, parser.get_method().decode("latin-1"),
@@ -541,6 +559,7 @@ class DownstreamConnection(FlowControl):
             self._next()
 
     def on_body(self, body: bytes) -> None:
+        self._fed_body += len(body)
         if self._parsing is not None:
             self._expect("body", self.listener.limits.header_read_timeout)
             self._parsing._body(body)
@@ -564,25 +583,41 @@ class DownstreamConnection(FlowControl):
     # ---------------------------------------------------------------- running handlers
 
     def _next(self) -> None:
-        if not self._queue or self.closing:
+        """Start the next queued request: one at a time, answers in request order."""
+        if not self._queue or self.closing or self._active is not None:
             return
         if self._write_paused:
-            # The client reads nothing: answer its next request once it does.
-            self.when_writable(self._next)
+            # The client reads nothing: answer its next request once it does (one
+            # waiter however many requests arrive meanwhile).
+            if not self._next_waiting:
+                self._next_waiting = True
+                self.when_writable(self._next_when_writable)
             return
         exchange = self._active = self._queue.popleft()
         if len(self._queue) < PIPELINE_PAUSE:
             self.resume_reading("pipeline")
         handle_now = self.listener.handle_now
-        if handle_now is not None and handle_now(exchange):
-            return
+        if handle_now is not None:
+            try:
+                if handle_now(exchange):
+                    return
+            except Exception as failure:  # noqa: BLE001 - becomes this request's answer
+                # Possibly inside another connection's callback: never let it escape.
+                exchange.cancel_hook = None
+                self._complete(exchange, failure, False)
+                return
         self.continue_with(exchange, self.listener.handler(exchange))
 
-    def continue_with(self, exchange: Exchange, coro) -> None:
+    def _next_when_writable(self) -> None:
+        self._next_waiting = False
+        self._next()
+
+    def continue_with(self, exchange: Exchange, coro) -> asyncio.Task:
         """Handle ``exchange`` in a task running ``coro`` (also after a callback start)."""
         exchange.cancel_hook = None
-        self._task = self.loop.create_task(coro)
-        self._task.add_done_callback(lambda task: self._handled(exchange, task))
+        task = self._task = self.loop.create_task(coro)
+        task.add_done_callback(lambda task: self._handled(exchange, task))
+        return task
 
     def finish(self, exchange: Exchange, *, cancelled: bool = False) -> None:
         """A request handled by callbacks is over (its answer written, or cut)."""

@@ -58,7 +58,7 @@ def connection_tokens(fields: Fields) -> set[str]:
     tokens: set[str] = set()
     for name, value in fields:
         if name.lower() == "connection":
-            tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+            tokens.update(t.strip(" \t").lower() for t in value.split(",") if t.strip(" \t"))
     return tokens
 
 
@@ -67,7 +67,8 @@ def raw_connection_tokens(raw: RawFields, lowered: list[bytes]) -> set[bytes]:
     tokens: set[bytes] = set()
     for (_, value), name in zip(raw, lowered):
         if name == b"connection":
-            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+            tokens.update(t.strip(b" \t").lower() for t in value.split(b",")
+                          if t.strip(b" \t"))
     return tokens
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import re
+import socket
 import ssl
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -31,6 +34,10 @@ from daemon_support import (  # root: the module's PKI fixture
 )
 
 from mvproxy import pki
+from mvproxy.errors import UpstreamProtocolError
+from mvproxy.listener import DownstreamConnection
+
+WAIT_SECONDS = 10
 
 
 class Canary:
@@ -387,3 +394,180 @@ async def test_a_discovery_yes_is_remembered_briefly_per_credentials(aiohttp_ser
                                  who="bearer")
             assert status_of(answer) == 200
         assert probes(c) == ["Bearer alpha", "Bearer beta"]
+
+
+async def test_connection_tokens_are_read_alike_by_both_header_filters(aiohttp_server, root):
+    """Only space and tab surround a Connection token: with ``\\xa0authorization`` the
+    text filter (discovery probes) dropped Authorization and the bytes filter (the hot
+    path) kept it, so a probe went out without the credentials it was cached under."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        odd = b"Connection: keep-alive, \xa0authorization\r\nAuthorization: Bearer gamma\r\n"
+        answer = await c.raw(b"GET /apis HTTP/1.1\r\nHost: x\r\nAccept: "
+                             + AGGREGATED.encode() + b"\r\n" + odd + b"\r\n", who="bearer")
+        assert status_of(answer) == 200
+        assert probes(c) == ["Bearer gamma"]
+        echoed = body_of(await c.raw(b"GET /api/v1/namespaces/x HTTP/1.1\r\nHost: x\r\n" + odd
+                                     + b"\r\n", who="bearer"))
+        assert ["Authorization", "Bearer gamma"] in echoed["headers"]
+
+
+# --------------------------------------------------------------------------- second review
+
+
+def slow_route(app: web.Application) -> None:
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)
+        return web.json_response({"server": "backend", "path": request.raw_path})
+    app.router.add_get("/api/v1/namespaces/slow", slow)
+
+
+async def test_pipelined_answers_keep_their_order_while_the_client_reads_nothing(
+        aiohttp_server, root):
+    """Requests that arrived while mvproxy waited for the client to read each queued a
+    start of their own: once it read, they ran at once and a fast answer overtook a slow
+    one (and a watch among them outlived the connection). One at a time, in order."""
+    async with cluster(aiohttp_server, root, backend_routes=slow_route) as c:
+        await ready(c)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", c.port))
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            # Whole discovery documents, answered at once, until the socket is full.
+            filler = request("/apis", headers=f"Accept: {AGGREGATED}\r\n")
+            for _ in range(25):
+                writer.write(filler * 8)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            writer.write(request("/api/v1/namespaces/slow"))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(request("/api/v1/namespaces/fast"))
+            await writer.drain()
+            received = bytearray()
+            async with asyncio.timeout(WAIT_SECONDS):
+                while b'"/api/v1/namespaces/fast"' not in received:
+                    chunk = await reader.read(1 << 20)
+                    assert chunk, "the connection closed early"
+                    received += chunk
+        finally:
+            writer.close()
+        order = re.findall(rb'"path": "(/api/v1/namespaces/\w+)"', bytes(received))
+        assert order == [b"/api/v1/namespaces/slow", b"/api/v1/namespaces/fast"]
+
+
+def dies_once(app: web.Application) -> None:
+    died = []
+
+    async def die(request: web.Request) -> web.Response:
+        if not died:
+            died.append(True)
+            request.transport.abort()  # a restart racing a reused pooled connection
+            await asyncio.sleep(1)
+        return web.json_response({"path": request.raw_path})
+    app.router.add_get("/api/v1/namespaces/dies", die)
+
+
+async def test_a_body_gone_with_a_dead_connection_is_not_announced_again(aiohttp_server, root):
+    """A reused connection died after taking the request's body: resending the head with
+    its Content-Length and no body made the backend read the next client's request as
+    that body. The client gets 502; the pooled connections stay in step."""
+    async with cluster(aiohttp_server, root, backend_routes=dies_once) as c:
+        await ready(c)
+        assert status_of(await c.raw(request("/api/v1/namespaces/warm"))) == 200  # pooled
+        answer = await c.raw(request("/api/v1/namespaces/dies",
+                                     headers="Content-Length: 40\r\n", body=b"G" * 40))
+        assert status_of(answer) == 502, answer[:300]
+        for i in range(3):
+            victim = await c.raw(request(f"/api/v1/namespaces/victim{i}"))
+            assert status_of(victim) == 200, victim[:300]
+            assert body_of(victim)["path"] == f"/api/v1/namespaces/victim{i}"
+
+
+@pytest.mark.parametrize("tail", [b"0\r\nX-Trailer: ", b"5;ext="],
+                         ids=["endless trailer", "endless chunk extension"])
+async def test_chunk_framing_is_bounded_like_a_head(aiohttp_server, root, tail):
+    """llhttp reports trailers and chunk extensions only once they end: they are counted
+    as they arrive against maxHeaderBytes (one client once held 260 MB this way)."""
+    async with cluster(aiohttp_server, root, listener={"maxHeaderBytes": 4096},
+                       backend_routes=reading_create) as c:
+        await ready(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["bearer"], server_hostname="127.0.0.1")
+        writer.write(b"POST /api/v1/namespaces/default/secrets HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n" + tail)
+        sent = 0
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while sent < 4 * 1024 * 1024:  # far beyond the limit, never ending
+                writer.write(b"a" * 16384)
+                await writer.drain()
+                sent += 16384
+        answer = await asyncio.wait_for(reader.read(), WAIT_SECONDS)
+        writer.close()
+        assert status_of(answer) == 431, answer[:300]
+        assert "chunk framing or trailers" in body_of(answer)["message"]
+
+
+async def test_a_continuation_cancelled_before_it_starts_still_settles_the_gauges(
+        aiohttp_server, root):
+    """The race, made deterministic: a pooled backend connection fails (the request goes
+    on in a task) and, in the same loop turn, the client leaves, so the task is cancelled
+    before it runs. The in-flight gauge must come back to zero."""
+    async with cluster(aiohttp_server, root, backend_routes=slow_route) as c:
+        await ready(c)
+        assert status_of(await c.raw(request("/api/v1/namespaces/warm"))) == 200
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        writer.write(request("/api/v1/namespaces/slow"))
+        await writer.drain()
+        in_flight = []
+        for _ in range(100):
+            in_flight = [conn for conn in gc.get_objects()
+                         if isinstance(conn, DownstreamConnection) and conn._active is not None
+                         and conn._active.cancel_hook is not None]
+            if in_flight:
+                break
+            await asyncio.sleep(0.02)
+        assert len(in_flight) == 1
+        downstream = in_flight[0]
+        assert await c.metric("mvproxy_inflight_requests", route="backend") == 1
+        forwarded = downstream._active.cancel_hook.__self__  # the callback-driven request
+        forwarded.relay.on_error(UpstreamProtocolError("backend", "connection reset"))
+        downstream.cancel()  # the client left in the same turn
+        await asyncio.sleep(0.1)
+        writer.close()
+        assert await c.metric("mvproxy_inflight_requests", route="backend") == 0
+
+
+@pytest.mark.parametrize("cn", [" admin", "admin\t", "ad\x7fmin"])
+async def test_a_subject_the_backend_would_trim_identifies_nobody(aiohttp_server, root,
+                                                                 tmp_path, cn):
+    """Go trims header values: CN " admin" would arrive as admin through mvproxy while
+    direct x509 authentication sees " admin". Such a subject gets 401."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        c.contexts["odd"] = client_cert_context(root, tmp_path, cn)
+        answer = await c.raw(request("/api/v1/namespaces"), who="odd")
+        assert status_of(answer) == 401, answer[:300]
+        assert c.seen["backend"] == []
+
+
+def no_content(app: web.Application) -> None:
+    async def delete(request: web.Request) -> web.Response:
+        # aiohttp drops the field itself; other servers send it: written by hand.
+        request.transport.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+        request.transport.close()
+        return web.Response(status=204)
+    app.router.add_delete("/api/v1/namespaces/default/configmaps/gone", delete)
+
+
+async def test_a_204_is_relayed_without_content_length(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, backend_routes=no_content) as c:
+        await ready(c)
+        answer = await c.raw(request("/api/v1/namespaces/default/configmaps/gone",
+                                     method="DELETE"))
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert status_of(answer) == 204 and b"content-length" not in head, answer
