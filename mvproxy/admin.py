@@ -20,7 +20,7 @@ from mvproxy.metrics import Metrics
 Check = tuple[str, bool, str]
 
 
-def _health_response(request: web.Request, name: str, checks: list[Check]) -> web.Response:
+def health_response(request: web.Request, name: str, checks: list[Check]) -> web.Response:
     healthy = all(ok for _, ok, _ in checks)
     if "verbose" not in request.query and healthy:
         return web.Response(text="ok", content_type="text/plain")
@@ -67,10 +67,10 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics,
         return response
 
     async def livez(request: web.Request) -> web.Response:
-        return _health_response(request, request.path.strip("/"), [("ping", True, "")])
+        return health_response(request, request.path.strip("/"), [("ping", True, "")])
 
     async def readyz(request: web.Request) -> web.Response:
-        return _health_response(request, "readyz", readiness_checks(cache, draining))
+        return health_response(request, "readyz", readiness_checks(cache, draining))
 
     async def debug(request: web.Request) -> web.Response:
         return web.Response(text=json.dumps(debug_state(cache), indent=2) + "\n",

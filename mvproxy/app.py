@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import resource
 import signal
 import ssl
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -175,9 +177,20 @@ def _peer_states(cache: DiscoveryCache):
         yield peer_id, bool(state and state.reachable), age
 
 
+@dataclass(frozen=True)
+class WorkerRole:
+    """What differs in a worker of ``run --workers N``: it shares the secure port with
+    the others (SO_REUSEPORT), answers its supervisor's admin requests on a Unix socket,
+    and stops when the supervisor's pipe on its stdin closes (the supervisor died)."""
+
+    index: int
+    admin_socket: str
+
+
 @contextlib.asynccontextmanager
-async def running(daemon: Daemon):
-    """Listeners and the poller up; yields (proxy port, admin port); stops everything."""
+async def running(daemon: Daemon, worker: WorkerRole | None = None):
+    """Listeners and the poller up; yields (proxy port, admin port: 0 for a worker);
+    stops everything."""
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
     listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
@@ -193,11 +206,18 @@ async def running(daemon: Daemon):
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:
         try:
-            port = listener.start(cfg.bind_address, cfg.secure_port)
+            port = listener.start(cfg.bind_address, cfg.secure_port,
+                                  reuse_port=worker is not None)
         except OSError as exc:
             raise UsageError(f"cannot listen on {cfg.bind_address}:{cfg.secure_port}: "
                              f"{exc.strerror or exc}") from None
-        ports = (port, await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
+        if worker is None:
+            ports = (port, await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
+        else:
+            await admin.setup()
+            name = worker.admin_socket  # "@name": the abstract namespace, no file
+            await web.UnixSite(admin, "\0" + name[1:] if name.startswith("@") else name).start()
+            ports = (port, 0)
         log.info("serving", extra=kv(server_id=cfg.server_id, port=ports[0], admin_port=ports[1],
                                      peers=len(cfg.peers),
                                      max_connections=daemon.limits.max_connections))
@@ -248,11 +268,33 @@ async def _start(runner: web.AppRunner, host: str, port: int,
     return runner.addresses[-1][1]
 
 
-async def serve(daemon: Daemon) -> None:
-    """Run until SIGTERM or SIGINT, then drain and return (exit status 0)."""
+async def serve(daemon: Daemon, worker: WorkerRole | None = None) -> None:
+    """Run until SIGTERM or SIGINT (a worker also: until its supervisor is gone), then
+    drain and return (exit status 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with running(daemon):
+    if worker is not None:
+        _stop_when_closed(sys.stdin.fileno(), stop)
+    async with running(daemon, worker):
         await stop.wait()
+
+
+def _stop_when_closed(fd: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once ``fd`` (a pipe whose writer is the supervisor) reaches EOF."""
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 512)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            log.warning("the supervisor is gone; shutting down")
+            stop.set()
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)

@@ -39,6 +39,7 @@ RUN_FLAGS: dict[str, tuple[str, str]] = {
     "admin_bind_address": ("admin.bindAddress", "IP address of the admin listener"),
     "admin_port": ("admin.port", "port of the admin listener (metrics, health)"),
     "discovery_poll_interval": ("discovery.pollInterval", "e.g. 5s, 500ms"),
+    "workers": ("workers", "processes sharing the secure port (default 1)"),
     "verbosity": ("logging.verbosity", "klog-style log verbosity 0..10"),
     "log_format": ("logging.format", "text or json"),
 }
@@ -61,6 +62,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         elif dest in ("secure_port", "admin_port"):
             parser.add_argument(_flag(dest), dest=dest, type=int, metavar="PORT", help=help_text)
+        elif dest == "workers":
+            parser.add_argument(_flag(dest), dest=dest, type=int, metavar="N", help=help_text)
         else:
             parser.add_argument(_flag(dest), dest=dest, metavar="VALUE", help=help_text)
 
@@ -96,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the proxy daemon")
     run.add_argument("--config", metavar="FILE", help="MvproxyConfiguration YAML file")
     _add_run_flags(run)
+
+    # Started by `run --workers N` for each worker; not for people (no help: not listed).
+    worker = sub.add_parser("worker")
+    worker.add_argument("--config", metavar="FILE")
+    worker.add_argument("--overrides", required=True, metavar="JSON")
+    worker.add_argument("--index", type=int, required=True)
+    worker.add_argument("--admin-socket", required=True, metavar="PATH")
 
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("config", metavar="FILE")
@@ -162,6 +172,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from mvproxy.commands import run
         return run(args.config, config_overrides(args))
+    if args.command == "worker":
+        from mvproxy.commands import worker
+        return worker(args)
     if args.command == "sim":
         from mvproxy.commands import sim
         return sim(args)

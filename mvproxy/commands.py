@@ -51,8 +51,28 @@ def run(path: str | None, overrides: dict[str, object]) -> int:
 
     cfg = load_checked_config(path, overrides)
     logs.configure(cfg.logging.format, cfg.logging.verbosity)
+    if cfg.workers > 1:
+        from mvproxy.workers import supervise
+
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(supervise(cfg, path, overrides))
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(build_daemon(cfg)))
+    return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One worker of ``run --workers N``, started by the supervisor (``workers``)."""
+    import asyncio
+    import json
+
+    from mvproxy import logs
+    from mvproxy.app import WorkerRole, build_daemon, serve
+
+    cfg = load_checked_config(args.config, json.loads(args.overrides))
+    logs.configure(cfg.logging.format, cfg.logging.verbosity, static={"worker": args.index})
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(build_daemon(cfg), WorkerRole(args.index, args.admin_socket)))
     return 0
 
 

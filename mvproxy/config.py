@@ -515,6 +515,10 @@ class Config:
     """Upstream connect/request timeouts and the shutdown grace period."""
     listener: ListenerConfig = _key("listener", _Section(ListenerConfig), default_factory=ListenerConfig)
     """Limits of the downstream listener: header and idle timeouts, sizes, connections."""
+    workers: int = _key("workers", _integer(1, 64), default=1)
+    """Processes serving ``securePort`` together (SO_REUSEPORT), each on one core (1).
+    Above 1 a supervisor process runs the admin listener, adds the workers' metrics up
+    and restarts a worker that dies; each worker polls discovery itself."""
 
 
 # ---------------------------------------------------------------------------

@@ -812,12 +812,15 @@ class Listener:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self, host: str, port: int) -> int:
-        """Bind and listen; returns the port (for port 0)."""
+    def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+        """Bind and listen; returns the port (for port 0). ``reuse_port``: share the port
+        with the other workers (the kernel spreads new connections among them)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             sock.listen(1024)
         except OSError:

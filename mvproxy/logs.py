@@ -71,12 +71,17 @@ def _verbosity(record: logging.LogRecord) -> int:
 class TextFormatter(logging.Formatter):
     """``I1129 22:27:19.123456 mvproxy.polling] message key="value" n=3``."""
 
+    def __init__(self, static: dict[str, Any] | None = None):
+        super().__init__()
+        self.static = [f"{k}={_render_value(v)}" for k, v in (static or {}).items()]
+
     def format(self, record: logging.LogRecord) -> str:
         letter = _LEVEL_LETTERS.get(record.levelno, "I") if record.levelno >= logging.INFO else "I"
         stamp = time.strftime("%m%d %H:%M:%S", time.localtime(record.created))
         micros = int((record.created % 1) * 1_000_000)
         line = f"{letter}{stamp}.{micros:06d} {record.name}] {redact(record.getMessage())}"
         pairs = [f"{k}={_render_value(v)}" for k, v in _fields(record).items()]
+        pairs += self.static
         if pairs:
             line += " " + " ".join(pairs)
         if record.exc_info:
@@ -95,6 +100,10 @@ def _render_value(value: Any) -> str:
 class JSONFormatter(logging.Formatter):
     """One JSON object per line, with klog's ``v`` and the structured fields."""
 
+    def __init__(self, static: dict[str, Any] | None = None):
+        super().__init__()
+        self.static = dict(static or {})
+
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
             "ts": round(record.created, 6),
@@ -105,6 +114,8 @@ class JSONFormatter(logging.Formatter):
         }
         for key, value in _fields(record).items():
             doc.setdefault(key, value if _is_json_scalar(value) else str(value))
+        for key, value in self.static.items():
+            doc.setdefault(key, value)
         if record.exc_info:
             doc["error"] = redact(self.formatException(record.exc_info))
         return json.dumps(doc, separators=(",", ":"))
@@ -114,15 +125,17 @@ def _is_json_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
-def configure(fmt: str = "text", verbosity: int = 2, stream: TextIO | None = None) -> None:
+def configure(fmt: str = "text", verbosity: int = 2, stream: TextIO | None = None, *,
+              static: dict[str, Any] | None = None) -> None:
     """Route every ``mvproxy`` (and aiohttp) logger to ``stream`` in ``fmt``.
 
     Replaces handlers installed by an earlier call, so tests and the CLI may call it
-    more than once. aiohttp's own loggers are quieted to WARNING below ``--v=6``:
-    its access log would otherwise write one line per request.
+    more than once. ``static`` fields end every line (a worker's index). aiohttp's
+    own loggers are quieted to WARNING below ``--v=6``: its access log would
+    otherwise write one line per request.
     """
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JSONFormatter(static) if fmt == "json" else TextFormatter(static))
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, "_mvproxy", False):

@@ -13,8 +13,8 @@ from mvproxy import logs
 def capture():
     stream = io.StringIO()
 
-    def configure(fmt="text", verbosity=2):
-        logs.configure(fmt, verbosity, stream=stream)
+    def configure(fmt="text", verbosity=2, static=None):
+        logs.configure(fmt, verbosity, stream=stream, static=static)
         return stream
 
     yield configure
@@ -29,6 +29,17 @@ def test_text_lines_are_klog_like_with_key_values(capture):
     line = out.getvalue().strip()
     assert line.startswith("I")
     assert line.endswith('mvproxy.polling] peer became unreachable peer="apiserver-b" failures=3')
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_workers_lines_say_which_worker(capture, fmt):
+    out = capture(fmt, static={"worker": 1})
+    logging.getLogger("mvproxy.app").info("serving", extra=logs.kv(port=6443))
+    line = out.getvalue().strip()
+    if fmt == "json":
+        assert json.loads(line)["worker"] == 1
+    else:
+        assert line.endswith("serving port=6443 worker=1")
 
 
 def test_json_lines_carry_level_verbosity_logger_and_fields(capture):

@@ -1,0 +1,102 @@
+"""``mvproxy run`` as a real subprocess, in front of a fake backend in the test process.
+
+For what only a separate process shows: process-wide limits (RLIMIT_NOFILE), signals,
+worker processes. Every process started here is stopped by the ``stop`` it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import ssl
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from daemon_support import fake_server
+
+from mvproxy import pki
+from mvproxy.devcluster.launcher import free_port
+
+WAIT = 20.0
+
+
+@pytest.fixture
+async def backend(aiohttp_server, root):
+    server = await aiohttp_server(fake_server("backend", "1.35"), ssl=pki.server_context(
+        root / "a" / "apiserver.crt", root / "a" / "apiserver.key", root / "front-proxy-ca.crt"))
+    return f"https://127.0.0.1:{server.port}"
+
+
+def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] = (),
+                 nofile: int | None = None, **listener: object):
+    """(process, port, admin port, stop); ``stop()`` ends it (SIGTERM, then SIGKILL)
+    and returns its log."""
+    port, admin = free_port(), free_port()
+    config = {
+        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
+        "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
+        "tlsCertFile": str(root / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
+        "clientCAFile": str(root / "ca.crt"),
+        "backend": {"url": backend, "caFile": str(root / "ca.crt"),
+                    "certFile": str(root / "a" / "front-proxy-client.crt"),
+                    "keyFile": str(root / "a" / "front-proxy-client.key")},
+        "discovery": {"pollInterval": "200ms"},
+        "admin": {"bindAddress": "127.0.0.1", "port": admin},
+        "timeouts": {"shutdownGracePeriod": "2s"},
+        "listener": {"headerReadTimeout": "30s", "idleTimeout": "30s", **listener},
+    }
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed by stop()
+    limit: Callable[[], None] | None = None
+    if nofile is not None:
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen([sys.executable, "-m", "mvproxy", "run", "--config",
+                             str(tmp / "config.yaml"), *args], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=limit)
+
+    def stop() -> str:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(WAIT)
+        log.close()
+        return (tmp / "daemon.log").read_text(errors="replace")
+
+    return proc, port, admin, stop
+
+
+async def wait_ready(admin: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with asyncio.timeout(WAIT):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
+                        if resp.status == 200:
+                            return
+                await asyncio.sleep(0.1)
+
+
+async def admin_get(admin: int, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{admin}{path}") as resp:
+            return resp.status, await resp.text()
+
+
+async def get(port: int, ctx: ssl.SSLContext) -> int:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+        async with session.get(f"https://127.0.0.1:{port}/api/v1/namespaces",
+                               timeout=aiohttp.ClientTimeout(total=WAIT)) as resp:
+            return resp.status
