@@ -476,7 +476,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         soak = soak_test(bench, urls["mva"] + CM_PATH, mvs["a"].pid, args.soak)
         profile = profile_local(bench, urls["mva"] + CM_PATH, mvs["a"].pid, work) \
             if args.profile else []
-        return summarize(bench.runs, soak, profile)
+        libraries = profile_libraries(bench, urls["mva"] + CM_PATH, mvs["a"].pid, work) \
+            if args.profile else []
+        return summarize(bench.runs, soak, profile, libraries)
     finally:
         procs.stop()
 
@@ -523,6 +525,37 @@ def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
     return [f"{n / total * 100:5.1f}% {frame}" for frame, n in top]
 
 
+def profile_libraries(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
+    """Where mvproxy's CPU goes by library, from perf (py-spy sees Python frames only,
+    and charges the C under a frame, TLS included, to that frame)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return ["perf not available"]
+    data = work / "perf.data"
+    recorder = subprocess.Popen([perf, "record", "-F", "1999", "-p", str(pid), "-o", str(data),
+                                 "--", "sleep", "4"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bench.wrk(url, 32, 5, [])
+    recorder.wait(60)
+    report = subprocess.run([perf, "report", "-i", str(data), "--sort", "dso,sym", "--stdio"],
+                            capture_output=True, text=True, timeout=120)
+    by_library: dict[str, float] = {}
+    symbols: list[str] = []
+    for line in report.stdout.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or not parts[0].endswith("%") or line.lstrip().startswith("#"):
+            continue
+        share, library = float(parts[0][:-1]), parts[1]
+        by_library[library] = by_library.get(library, 0.0) + share
+        if len(symbols) < 6:
+            symbols.append(f"{share:5.1f}% {library} {parts[-1]}")
+    if not by_library:
+        return ["perf could not sample (perf_event_paranoid?)"]
+    top = sorted(by_library.items(), key=lambda kv: -kv[1])[:8]
+    return ([f"{share:5.1f}% {library}" for library, share in top]
+            + ["top symbols:"] + symbols)
+
+
 # --------------------------------------------------------------------------- reporting
 
 
@@ -530,7 +563,7 @@ def _median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def summarize(runs: list[Run], soak: dict, profile: list[str]) -> dict:
+def summarize(runs: list[Run], soak: dict, profile: list[str], libraries: list[str]) -> dict:
     reference = {"small": "nginx", "large": "nginx", "handshake": "nginx",
                  "peer": "mvproxy local", "discovery": "nginx static"}
     rows = []
@@ -554,7 +587,7 @@ def summarize(runs: list[Run], soak: dict, profile: list[str]) -> dict:
             })
     return {"rows": rows, "runs": [r.__dict__ for r in runs],
             "soak": soak,
-            "profile_top": profile, "when": time.strftime("%Y-%m-%d %H:%M"),
+            "profile_top": profile, "profile_libraries": libraries, "when": time.strftime("%Y-%m-%d %H:%M"),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
 
 
@@ -653,6 +686,9 @@ def main() -> int:
     if result["profile_top"]:
         print("\nmvproxy profile, small GET (own time, top frames):")
         print("\n".join(result["profile_top"]))
+    if result["profile_libraries"]:
+        print("\nmvproxy CPU by library, small GET (perf):")
+        print("\n".join(result["profile_libraries"]))
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     result["table"] = table
