@@ -341,7 +341,7 @@ def request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]
 @functools.lru_cache(maxsize=4096)
 def _request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
     info = parse_request_info(method, path, query)
-    return info, is_long_running(info, query)
+    return info, is_long_running(info)
 
 
 def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
