@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("config", metavar="FILE")
+    check.add_argument("--kube-apiserver-manifest", metavar="FILE",
+                       help="also warn if this kube-apiserver static pod runs upstream's "
+                            "built-in peer proxy (e.g. /etc/kubernetes/manifests/"
+                            "kube-apiserver.yaml)")
     _add_run_flags(check)
 
     certs = sub.add_parser("certs", help="development PKI")
@@ -168,7 +172,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return certs_init(args)
     if args.command == "check-config":
         from mvproxy.commands import check_config
-        return check_config(args.config, config_overrides(args))
+        return check_config(args.config, config_overrides(args),
+                            manifest=args.kube_apiserver_manifest)
     if args.command == "run":
         from mvproxy.commands import run
         return run(args.config, config_overrides(args))

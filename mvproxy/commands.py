@@ -7,8 +7,10 @@ imports only what it needs.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from mvproxy.errors import MvproxyError
+from mvproxy.errors import MvproxyError, UsageError
 
 
 def certs_init(args: argparse.Namespace) -> int:
@@ -29,8 +31,18 @@ def load_checked_config(path: str | None, overrides: dict[str, object]):
     return preflight.check(cfg, path or "<flags>")
 
 
-def check_config(path: str, overrides: dict[str, object]) -> int:
+def check_config(path: str, overrides: dict[str, object], *, manifest: str | None = None
+                 ) -> int:
     cfg = load_checked_config(path, overrides)
+    if manifest is not None:
+        from mvproxy import builtinmvp
+
+        try:
+            text = Path(manifest).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--kube-apiserver-manifest: cannot read {manifest}: {exc}") from None
+        for warning in builtinmvp.warnings_for(text, manifest):
+            print(f"warning: {warning}", file=sys.stderr)
     print(f"{path}: configuration is valid (serverID {cfg.server_id!r}, "
           f"{len(cfg.peers)} static peer{'s' if len(cfg.peers) != 1 else ''})")
     return 0

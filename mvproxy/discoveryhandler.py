@@ -133,7 +133,7 @@ class DiscoveryHandler:
         exchange.respond(200, fields, document.body)
 
     async def _from_backend(self, exchange: Exchange) -> None:
-        headers = forwarding.request_headers(exchange.fields, exchange.downstream, to_peer=False)
+        headers = forwarding.headers_for(exchange, to_peer=False)
         try:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
                                      headers, long_running=False)
@@ -150,8 +150,7 @@ class DiscoveryHandler:
         now = self.clock()
         if self._authorized.get(key, 0.0) > now:
             return True
-        headers = forwarding.request_headers(exchange.fields, exchange.downstream,
-                                             to_peer=False)
+        headers = forwarding.headers_for(exchange, to_peer=False)
         headers["Accept"] = discovery.PEER_ACCEPT
         headers.popall("If-None-Match", None)
         if self._probe_etags.get(probe_path):

@@ -74,17 +74,25 @@ class _Names:
     remote_prefix: str | bytes
     peer_proxied: str | bytes
     remote_user: str | bytes
+    forwarded_for: str | bytes
+    host: str | bytes
+    set_to_peer: frozenset
 
 
-def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> list:
-    """(lowercased name, name, value) of the client's fields that go upstream.
+def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, list, object]:
+    """(lowercased name, name, value) of the client's fields that go upstream, the
+    ``X-Forwarded-For`` values the client sent, and its ``Host`` (or None).
 
     Hop-by-hop fields, those ``Connection`` names, framing (set by ``forward``) and
     names with an underscore are dropped; identity fields too unless a peer sent them
     (it vouches for the user), and a peer's marker when it goes to another peer (set
-    again, once). One pass; a second only if ``Connection`` names some.
+    again, once); to a peer, the ``X-Forwarded-`` fields mvproxy sets there.
+    ``X-Forwarded-For`` is returned apart: the caller appends the client's address.
+    One pass; a second only if ``Connection`` names some.
     """
     kept = []
+    forwarded: list = []
+    host = None
     tokens = None
     for name, value in fields:
         lowered = name.lower()
@@ -94,32 +102,62 @@ def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> list:
                 # the text and bytes filters would then disagree.
                 tokens = (tokens or set()) | {t.strip(n.ows).lower()
                                               for t in value.split(n.comma)}
+            elif lowered == n.forwarded_for:
+                forwarded.append(value)
+            elif lowered == n.host:
+                host = value
             continue
         if lowered.startswith(n.remote_prefix) or lowered == n.peer_proxied:
             if not peer or (to_peer and lowered == n.peer_proxied):
                 continue
+        if to_peer and lowered in n.set_to_peer:
+            continue
         kept.append((lowered, name, value))
     if tokens:
         kept = [item for item in kept if item[0] not in tokens]
-    return kept
+        if n.forwarded_for in tokens:  # Go's ReverseProxy drops it before appending
+            forwarded = []
+    return kept, forwarded, host
+
+
+def forwarded_for(prior: list, client, comma):
+    """The ``X-Forwarded-For`` value to send: what came in, then the client's address
+    (Go's ``httputil.ReverseProxy``, which kube-apiserver's proxies use). None when
+    there is nothing to send."""
+    if not client:
+        return comma.join(prior) if prior else None
+    return comma.join([*prior, client]) if prior else client
 
 
 def request_headers(fields: wire.Fields, downstream: Downstream, *,
-                    to_peer: bool) -> CIMultiDict[str]:
-    """Headers for the upstream: end-to-end ones, identity as ``identity`` allows.
+                    to_peer: bool, client: str) -> CIMultiDict[str]:
+    """Headers for the upstream: end-to-end ones, identity as ``identity`` allows,
+    ``client`` (the downstream's address) appended to ``X-Forwarded-For``.
 
     A peer's own identity headers pass through (it vouches for the user); anyone
     else's are dropped and replaced by what mvproxy verified itself (``_kept``).
     """
-    out: CIMultiDict[str] = CIMultiDict(
-        [(name, value) for _, name, value in _kept(fields, downstream.is_peer, to_peer, _TEXT)])
+    kept, prior, host = _kept(fields, downstream.is_peer, to_peer, _TEXT)
+    out: CIMultiDict[str] = CIMultiDict([(name, value) for _, name, value in kept])
+    chain = forwarded_for(prior, client, ", ")
+    if chain is not None:
+        out[FORWARDED_FOR] = chain
     for name, value in identity_headers(downstream):
         out.add(name, value)
     if to_peer:
         out[PEER_PROXIED] = "true"
         if AUDIT_ID not in out:
             out[AUDIT_ID] = str(uuid.uuid4())
+        out[FORWARDED_PROTO] = "https"
+        if host:
+            out[FORWARDED_HOST] = host
     return out
+
+
+def headers_for(exchange: Exchange, *, to_peer: bool) -> CIMultiDict[str]:
+    """``request_headers`` for one exchange (its fields, identity and address)."""
+    return request_headers(exchange.fields, exchange.downstream, to_peer=to_peer,
+                           client=exchange.client_address)
 
 
 def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
@@ -131,13 +169,18 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
     sent one."""
     downstream = exchange.downstream
     to_peer = bool(audit_id)
-    kept = _kept(exchange.raw, downstream.is_peer, to_peer, _RAW)
+    kept, prior, host = _kept(exchange.raw, downstream.is_peer, to_peer, _RAW)
     parts = [b"%b %b HTTP/1.1\r\nHost: %b\r\n" % (exchange.raw_method, exchange.raw_target,
                                                      authority)]
     parts += [name + b": " + value + b"\r\n" for _, name, value in kept]
     parts.append(downstream.header_lines)
+    chain = forwarded_for(prior, exchange.conn.raw_client_address, b", ")
+    if chain is not None:
+        parts.append(b"X-Forwarded-For: " + chain + b"\r\n")
     if to_peer:
-        parts.append(b"x-kubernetes-peer-proxied: true\r\n")
+        parts.append(b"x-kubernetes-peer-proxied: true\r\nX-Forwarded-Proto: https\r\n")
+        if host:
+            parts.append(b"X-Forwarded-Host: " + host + b"\r\n")
         if not any(lowered == b"audit-id" for lowered, _, _ in kept):
             parts.append(b"Audit-ID: " + audit_id + b"\r\n")
     if exchange.has_body:
@@ -150,11 +193,19 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
     return b"".join(parts), asserts
 
 
-_REQUEST_DROPPED = HOP_BY_HOP | REFRAMED
+FORWARDED_FOR = "X-Forwarded-For"
+FORWARDED_PROTO = "X-Forwarded-Proto"
+FORWARDED_HOST = "X-Forwarded-Host"
+_SET_TO_PEER = ("x-forwarded-proto", "x-forwarded-host")
+"""Set by mvproxy on the peer hop, as upstream's peer proxy sets them; a client's own
+values are replaced there, and pass through unchanged to the backend."""
+_REQUEST_DROPPED = HOP_BY_HOP | REFRAMED | {"x-forwarded-for"}
 _TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", ",", " \t", REMOTE_PREFIX,
-               PEER_PROXIED, "x-remote-user")
+               PEER_PROXIED, "x-remote-user", "x-forwarded-for", "host",
+               frozenset(_SET_TO_PEER))
 _RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connection", b",",
-              b" \t", REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user")
+              b" \t", REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user",
+              b"x-forwarded-for", b"host", frozenset(n.encode() for n in _SET_TO_PEER))
 RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
 UNSERVED_RAW = UNSERVED.encode()
 

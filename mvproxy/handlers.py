@@ -141,8 +141,7 @@ class Proxy:
                            long_running: bool) -> None:
         """The first peer failed before any answer: as ``_to_peers`` would go on. A stale
         pooled connection tries that peer again afresh; otherwise the next ones."""
-        headers = forwarding.request_headers(exchange.fields, exchange.downstream,
-                                             to_peer=True)
+        headers = forwarding.headers_for(exchange, to_peer=True)
         headers[forwarding.AUDIT_ID] = headers.get(forwarding.AUDIT_ID, audit_id)
         if isinstance(failure, ForwardError):
             log.log(V(3), "peer request failed", extra=kv(
@@ -185,8 +184,7 @@ class Proxy:
             if isinstance(failure, ForwardError):
                 raise failure
             self._drop_idle(upstream)
-            headers = forwarding.request_headers(exchange.fields, exchange.downstream,
-                                                 to_peer=False)
+            headers = forwarding.headers_for(exchange, to_peer=False)
             await forwarding.forward(exchange, self.transport, upstream, headers,
                                      long_running=long_running)
         except ForwardError as exc:
@@ -247,7 +245,7 @@ class Proxy:
 
     async def _to_backend(self, exchange: Exchange, downstream: Downstream,
                           long_running: bool) -> None:
-        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=False)
+        headers = forwarding.headers_for(exchange, to_peer=False)
         try:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
                                      headers, long_running=long_running)
@@ -264,7 +262,7 @@ class Proxy:
         gvr = _gvr_labels(info)
         # One Audit-ID for every attempt: the peers' audit logs show one request.
         if headers is None:
-            headers = forwarding.request_headers(exchange.fields, downstream, to_peer=True)
+            headers = forwarding.headers_for(exchange, to_peer=True)
         if last is not None and not last.retryable:
             candidates = ()
         for peer_id in candidates:
@@ -299,7 +297,7 @@ class Proxy:
 
     async def _openapi_index(self, exchange: Exchange, downstream: Downstream) -> None:
         """The backend's OpenAPI v3 index, with entries for peer-only group/versions."""
-        headers = forwarding.request_headers(exchange.fields, downstream, to_peer=False)
+        headers = forwarding.headers_for(exchange, to_peer=False)
         for name in ("Accept-Encoding", "If-None-Match"):  # we rewrite the body
             headers.popall(name, None)
         try:
@@ -343,7 +341,7 @@ def request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]
 @functools.lru_cache(maxsize=4096)
 def _request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
     info = parse_request_info(method, path, query)
-    return info, is_long_running(info, query)
+    return info, is_long_running(info)
 
 
 def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:

@@ -384,6 +384,8 @@ class DownstreamConnection(FlowControl):
         self.loop = listener.loop
         self.downstream: Downstream = listener.anonymous
         self.client_address = ""
+        self.raw_client_address = b""
+        """The downstream's IP address, appended to ``X-Forwarded-For`` upstream."""
         self.deadline = 0.0
         self.closing = False
         self._parser = httptools.HttpRequestParser(self)
@@ -412,6 +414,7 @@ class DownstreamConnection(FlowControl):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.client_address = peer[0] if isinstance(peer, tuple) else ""
+        self.raw_client_address = self.client_address.encode("ascii", "replace")
         ssl_object = transport.get_extra_info("ssl_object")
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         self.downstream = self.listener.resolve_identity(der)

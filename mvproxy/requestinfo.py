@@ -114,7 +114,7 @@ _EMPTY_QUERY: Mapping[str, str] = MappingProxyType({})
 # Long-running request rules (kube-apiserver's BasicLongRunningRequestCheck,
 # except that logs count only when followed).
 _LONG_RUNNING_VERBS = frozenset(("watch", "proxy"))
-_LONG_RUNNING_SUBRESOURCES = frozenset(("exec", "attach", "portforward", "proxy"))
+_LONG_RUNNING_SUBRESOURCES = frozenset(("attach", "exec", "log", "portforward", "proxy"))
 
 
 def parse_request_info(method: str, path: str, query: QueryLike = "") -> RequestInfo:
@@ -187,27 +187,19 @@ def parse_request_info(method: str, path: str, query: QueryLike = "") -> Request
     )
 
 
-def is_long_running(info: RequestInfo, query: QueryLike = "") -> bool:
+def is_long_running(info: RequestInfo) -> bool:
     """Whether the request may legitimately stay open indefinitely (no request timeout).
 
-    True for the ``watch`` and legacy ``proxy`` verbs; for the ``exec``, ``attach``,
-    ``portforward`` and ``proxy`` subresources; for ``log`` when ``follow`` is true
-    (same truth rule as ``watch``); and for ``/debug/pprof/...`` (profiles take
-    seconds). kube-apiserver treats every ``log`` request as long-running. Here a
-    plain log read is finite and keeps the normal timeout. ``query`` takes the same
-    forms as in :func:`parse_request_info`.
+    kube-apiserver's rule (``BasicLongRunningRequestCheck`` with the sets kube-apiserver
+    configures): the ``watch`` and ``proxy`` verbs; the ``attach``, ``exec``, ``log``,
+    ``portforward`` and ``proxy`` subresources; and ``/debug/pprof/...``. Every ``log``
+    request, not only ``follow``: a large log can take minutes to stream.
     """
     if info.verb in _LONG_RUNNING_VERBS:
         return True
     if not info.is_resource_request:
         return info.path.startswith("/debug/pprof/")
-    sub = info.subresource
-    if sub in _LONG_RUNNING_SUBRESOURCES:
-        return True
-    if sub == "log":
-        follow = _as_mapping(query, ("follow",)).get("follow")
-        return follow is not None and _go_bool(follow)
-    return False
+    return info.subresource in _LONG_RUNNING_SUBRESOURCES
 
 
 # --- query handling ---------------------------------------------------------------

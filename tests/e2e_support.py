@@ -66,8 +66,9 @@ def tls_context(cluster: DemoCluster, *, cert: str | None = "admin") -> ssl.SSLC
 def request(cluster: DemoCluster, sid: str, method: str, path: str, *,
             headers: dict[str, str] | None = None, body: Any = None,
             cert: str | None = "admin", token: str | None = None, direct: bool = False,
-            timeout: float = HTTP_TIMEOUT) -> Answer:
-    """One request to server ``sid``'s mvproxy (``direct``: its backend), bounded in time.
+            timeout: float = HTTP_TIMEOUT, source: str | None = None) -> Answer:
+    """One request to server ``sid``'s mvproxy (``direct``: its backend), bounded in time,
+    from the loopback address ``source`` if given.
 
     A request that gets no answer within ``timeout`` fails the test with that fact
     (never hangs it).
@@ -82,7 +83,8 @@ def request(cluster: DemoCluster, sid: str, method: str, path: str, *,
         data = json.dumps(body).encode()
         sent.setdefault("Content-Type", "application/json")
     conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout,
-                                       context=tls_context(cluster, cert=cert))
+                                       context=tls_context(cluster, cert=cert),
+                                       source_address=(source, 0) if source else None)
     try:
         conn.request(method, path, body=data, headers=sent)
         response = conn.getresponse()

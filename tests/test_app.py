@@ -18,6 +18,7 @@ import json
 
 import aiohttp
 import pytest
+from aiohttp import web
 from daemon_support import (  # root: the module's PKI fixture
     PEER_ID,
     PODGROUPS,
@@ -166,6 +167,63 @@ async def test_a_request_that_timed_out_upstream_is_504_without_retry_after(aioh
             assert resp.status == 504 and "Retry-After" not in resp.headers
             assert "Server" not in resp.headers  # no stack banner
         assert body["reason"] == "Timeout" and body["code"] == 504
+
+
+LONG_RUNNING = {
+    # kube-apiserver's set (pkg/controlplane/apiserver/config.go, with
+    # staging/src/k8s.io/apiserver/pkg/server/filters/longrunning.go): the watch and
+    # proxy verbs, the attach, exec, log, portforward and proxy subresources, pprof.
+    "log": "/api/v1/namespaces/ns/pods/p/log",
+    "log follow": "/api/v1/namespaces/ns/pods/p/log?follow=true",
+    "watch": "/api/v1/namespaces/ns/pods?watch=true",
+    "exec": "/api/v1/namespaces/ns/pods/p/exec?command=date",
+    "attach": "/api/v1/namespaces/ns/pods/p/attach",
+    "portforward": "/api/v1/namespaces/ns/pods/p/portforward",
+    "proxy subresource": "/api/v1/namespaces/ns/services/s/proxy/metrics",
+    "proxy verb": "/api/v1/proxy/namespaces/ns/services/s",
+    "pprof": "/debug/pprof/profile?seconds=30",
+}
+CONTROL = "/api/v1/namespaces/ns/pods/p"
+
+
+async def test_long_running_requests_outlive_the_request_timeout(aiohttp_server, root):
+    """Every request kube-apiserver treats as long-running streams past
+    ``timeouts.request``; a plain GET streaming as slowly is cut (the control proves
+    the deadline passed while every stream was open: no timing assumption)."""
+    release = asyncio.Event()
+
+    async def slow_stream(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"first\n")
+        await asyncio.wait_for(release.wait(), WAIT)
+        await response.write(b"last\n")
+        await response.write_eof()
+        return response
+
+    def routes(app):
+        for path in {p.split("?")[0] for p in (*LONG_RUNNING.values(), CONTROL)}:
+            app.router.add_route("*", path, slow_stream)
+
+    async def fetch(c, path: str) -> bytes | str:
+        try:
+            async with c.sessions["admin"].get(c.base + path) as resp:
+                assert resp.status == 200, (path, resp.status)
+                return await resp.read()
+        except aiohttp.ClientPayloadError as exc:
+            return f"cut: {exc}"
+
+    async with asyncio.timeout(WAIT), cluster(aiohttp_server, root, backend_routes=routes,
+                                              timeouts={"request": "300ms"}) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        streams = {name: asyncio.create_task(fetch(c, path))
+                   for name, path in LONG_RUNNING.items()}
+        control = await fetch(c, CONTROL)
+        assert isinstance(control, str) and control.startswith("cut"), control
+        release.set()
+        results = {name: await task for name, task in streams.items()}
+    assert results == dict.fromkeys(LONG_RUNNING, b"first\nlast\n")
 
 
 @pytest.mark.parametrize("grace", ["0s", "200ms"])

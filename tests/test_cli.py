@@ -172,3 +172,19 @@ def test_run_with_an_invalid_configuration_exits_2_before_listening(tmp_path, cl
     result = mvproxy_cmd("run", "--config", config)
     assert_clean_failure(result)
     assert "admin.port" in result.stderr
+
+
+def test_check_config_warns_about_a_builtin_peer_proxy(tmp_path, cluster_pki):
+    """The manifest check (``builtinmvp``) reaches the operator: a warning, exit 0."""
+    config = str(write_config(tmp_path / "c.yaml", cluster_pki))
+    manifest = tmp_path / "kube-apiserver.yaml"
+    manifest.write_text("spec:\n  containers:\n  - name: kube-apiserver\n"
+                        "    image: registry.k8s.io/kube-apiserver:v1.36.1\n"
+                        "    command: [kube-apiserver, --peer-ca-file=/pki/ca.crt]\n")
+    result = mvproxy_cmd("check-config", config, "--kube-apiserver-manifest", str(manifest))
+    assert result.returncode == 0, result.stderr
+    assert "warning:" in result.stderr and "--peer-ca-file" in result.stderr
+    missing = mvproxy_cmd("check-config", config, "--kube-apiserver-manifest",
+                          str(tmp_path / "absent.yaml"))
+    assert_clean_failure(missing)
+    assert "absent.yaml" in missing.stderr

@@ -21,6 +21,7 @@ import random
 import socket
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -35,7 +36,13 @@ from mvproxy.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from mvproxy.forwarding import ForwardError, _may_resend, request_headers, response_headers
+from mvproxy.forwarding import (
+    ForwardError,
+    _may_resend,
+    request_headers,
+    response_headers,
+    upstream_head,
+)
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, PEER, USER, Downstream
 from mvproxy.transport import Transport, Upstream
 
@@ -96,7 +103,8 @@ CREDENTIALS = [
 
 @pytest.mark.parametrize("to_peer", [False, True], ids=["to backend", "to peer"])
 def test_hop_by_hop_and_connection_named_headers_are_dropped(to_peer):
-    out = request_headers(mocked(HOP_BY_HOP + END_TO_END), ANONYMOUS_DOWNSTREAM, to_peer=to_peer)
+    out = request_headers(mocked(HOP_BY_HOP + END_TO_END), ANONYMOUS_DOWNSTREAM,
+                          to_peer=to_peer, client="")
     assert not names(out) & {k.lower() for k, _ in HOP_BY_HOP}
     assert out.getall("Accept") == ["application/json", "application/yaml"]  # order kept
     for name, value in END_TO_END[2:]:
@@ -108,7 +116,7 @@ def test_hop_by_hop_and_connection_named_headers_are_dropped(to_peer):
 @pytest.mark.parametrize("to_peer", [False, True], ids=["to backend", "to peer"])
 def test_a_non_peers_identity_headers_are_dropped_credentials_kept(downstream, to_peer):
     out = request_headers(mocked(FORGED + CREDENTIALS + END_TO_END), downstream,
-                          to_peer=to_peer)
+                          to_peer=to_peer, client="")
     assert out.getall("X-Remote-User", []) == ([ALICE.user] if downstream is ALICE else [])
     assert out.getall("X-Remote-Group", []) == (list(ALICE.groups) if downstream is ALICE else [])
     assert "X-Remote-Uid" not in out and "X-Remote-Extra-Scopes" not in out
@@ -118,31 +126,36 @@ def test_a_non_peers_identity_headers_are_dropped_credentials_kept(downstream, t
 
 
 def test_cert_user_gets_x_remote_headers():
-    out = request_headers(mocked(END_TO_END), ALICE, to_peer=False)
+    out = request_headers(mocked(END_TO_END), ALICE, to_peer=False, client="")
     assert out.getall("X-Remote-User") == ["alice"]
     assert out.getall("X-Remote-Group") == ["viewer", "team-x"]
     assert "x-kubernetes-peer-proxied" not in out and "Audit-ID" not in out
 
 
 def test_to_peer_marks_peer_proxied_once_and_adds_an_audit_id():
-    out = request_headers(mocked(END_TO_END), ANONYMOUS_DOWNSTREAM, to_peer=True)
+    out = request_headers(mocked(END_TO_END), ANONYMOUS_DOWNSTREAM, to_peer=True,
+                          client="")
     assert out.getall("x-kubernetes-peer-proxied") == ["true"]
     audit = out.getall("Audit-ID")
     assert len(audit) == 1 and uuid.UUID(audit[0])
-    again = request_headers(mocked(END_TO_END), ANONYMOUS_DOWNSTREAM, to_peer=True)
+    again = request_headers(mocked(END_TO_END), ANONYMOUS_DOWNSTREAM, to_peer=True,
+                            client="")
     assert again["Audit-ID"] != audit[0]
 
 
 @pytest.mark.parametrize("spelling", ["Audit-ID", "audit-id", "AUDIT-ID"])
 def test_to_peer_keeps_an_incoming_audit_id(spelling):
-    out = request_headers(mocked([(spelling, "abc-123"), *END_TO_END]), ALICE, to_peer=True)
+    out = request_headers(mocked([(spelling, "abc-123"), *END_TO_END]), ALICE, to_peer=True,
+                          client="")
     assert out.getall("Audit-ID") == ["abc-123"]
 
 
 def test_backend_keeps_an_incoming_audit_id_and_adds_none():
-    assert request_headers(mocked([("Audit-ID", "x")]), ALICE, to_peer=False).getall(
+    assert request_headers(mocked([("Audit-ID", "x")]), ALICE, to_peer=False,
+                           client="").getall(
         "Audit-ID") == ["x"]
-    assert "Audit-ID" not in request_headers(mocked([]), ALICE, to_peer=False)
+    assert "Audit-ID" not in request_headers(mocked([]), ALICE, to_peer=False,
+                                             client="")
 
 
 def test_peer_downstream_keeps_its_identity_headers_toward_the_backend():
@@ -150,7 +163,7 @@ def test_peer_downstream_keeps_its_identity_headers_toward_the_backend():
                 ("X-Remote-Group", "team-x"), ("X-Remote-Extra-Scopes", "s1"),
                 ("x-kubernetes-peer-proxied", "true"), ("Audit-ID", "from-peer"),
                 *END_TO_END]
-    out = request_headers(mocked(incoming), PEER_DS, to_peer=False)
+    out = request_headers(mocked(incoming), PEER_DS, to_peer=False, client="")
     assert out.getall("X-Remote-User") == ["alice"]
     assert out.getall("X-Remote-Group") == ["viewer", "team-x"]
     assert out.getall("X-Remote-Extra-Scopes") == ["s1"]
@@ -160,9 +173,71 @@ def test_peer_downstream_keeps_its_identity_headers_toward_the_backend():
 
 def test_peer_downstream_toward_a_peer_gets_one_peer_proxied_marker():
     incoming = [("X-Remote-User", "alice"), ("x-kubernetes-peer-proxied", "false")]
-    out = request_headers(mocked(incoming), PEER_DS, to_peer=True)
+    out = request_headers(mocked(incoming), PEER_DS, to_peer=True, client="")
     assert out.getall("X-Remote-User") == ["alice"]
     assert out.getall("x-kubernetes-peer-proxied") == ["true"]
+
+
+def _via_raw_head(fields, downstream, *, to_peer: bool, client: str) -> CIMultiDict:
+    """The hot path's filter (``upstream_head``, bytes) on the same input, as headers."""
+    exchange = SimpleNamespace(
+        downstream=downstream, raw=[(n.encode(), v.encode()) for n, v in fields],
+        raw_method=b"GET", raw_target=b"/api/v1/pods", has_body=False,
+        conn=SimpleNamespace(raw_client_address=client.encode()))
+    head, _ = upstream_head(exchange, b"peer.example:6443",
+                            audit_id=b"id-1" if to_peer else b"")
+    lines = head.decode().split("\r\n")[1:-2]
+    return CIMultiDict(line.split(": ", 1) for line in lines if not line.startswith("Host:"))
+
+
+BOTH_FILTERS = pytest.mark.parametrize("headers_of", [request_headers, _via_raw_head],
+                                       ids=["text", "raw"])
+
+
+@BOTH_FILTERS
+@pytest.mark.parametrize(("incoming", "client", "expected"), [
+    ([], "127.0.0.2", "127.0.0.2"),
+    ([("X-Forwarded-For", "127.0.0.9")], "127.0.0.2", "127.0.0.9, 127.0.0.2"),
+    ([("X-Forwarded-For", "127.0.0.9, 127.0.0.8"), ("x-forwarded-for", "127.0.0.7")],
+     "::1", "127.0.0.9, 127.0.0.8, 127.0.0.7, ::1"),
+    ([("Connection", "X-Forwarded-For"), ("X-Forwarded-For", "127.0.0.9")], "127.0.0.2",
+     "127.0.0.2"),
+    ([("X-Forwarded-For", "127.0.0.9")], "", "127.0.0.9"),
+    ([], "", None),
+], ids=["none sent", "one sent", "several fields joined", "named by Connection",
+        "no address", "nothing"])
+@pytest.mark.parametrize("to_peer", [False, True], ids=["to backend", "to peer"])
+def test_x_forwarded_for_appends_the_client_address(headers_of, incoming, client, expected,
+                                                    to_peer):
+    """As Go's ``httputil.ReverseProxy`` (net/http/httputil/reverseproxy.go), which
+    kube-apiserver's proxies use (staging/src/k8s.io/apimachinery/pkg/util/proxy/
+    upgradeaware.go): prior values joined with ", ", then the downstream's address, in
+    one field; hop-by-hop ones removed first."""
+    out = headers_of(mocked(incoming), ANONYMOUS_DOWNSTREAM, to_peer=to_peer, client=client)
+    assert out.getall("X-Forwarded-For", []) == ([expected] if expected else [])
+
+
+@BOTH_FILTERS
+def test_the_peer_hop_sets_forwarded_proto_and_host(headers_of):
+    """Upstream's peer proxy sends ``X-Forwarded-Proto: https`` and ``X-Forwarded-Host``
+    (staging/src/k8s.io/apiserver/pkg/util/peerproxy/peerproxy_handler.go); a client's
+    own values are replaced there. mvproxy sends the Host the client asked for."""
+    incoming = [("Host", "api.example:6443"), ("X-Forwarded-Proto", "http"),
+                ("X-Forwarded-Host", "evil.example")]
+    out = headers_of(mocked(incoming), ANONYMOUS_DOWNSTREAM, to_peer=True, client="127.0.0.2")
+    assert out.getall("X-Forwarded-Proto") == ["https"]
+    assert out.getall("X-Forwarded-Host") == ["api.example:6443"]
+
+
+@BOTH_FILTERS
+def test_the_backend_hop_passes_forwarded_fields_through(headers_of):
+    """kube-apiserver ignores them; what a client sends reaches its backend as it
+    would without mvproxy."""
+    incoming = [("Host", "api.example:6443"), ("X-Forwarded-Proto", "http")]
+    out = headers_of(mocked(incoming), ANONYMOUS_DOWNSTREAM, to_peer=False,
+                     client="127.0.0.2")
+    assert out.getall("X-Forwarded-Proto") == ["http"]
+    assert "X-Forwarded-Host" not in out
 
 
 def test_response_headers_drop_hop_by_hop_and_length_keep_repeats():
@@ -246,7 +321,7 @@ def proxy_handler(transport: Transport, upstream: Upstream, *, downstream=ANONYM
                   to_peer=True, long_running=True):
     """What ``handlers`` does for one chosen upstream, minus routing."""
     async def handle(exchange) -> None:
-        headers = request_headers(exchange.fields, downstream, to_peer=to_peer)
+        headers = request_headers(exchange.fields, downstream, to_peer=to_peer, client="")
         try:
             await forwarding.forward(exchange, transport, upstream, headers,
                                      long_running=long_running)

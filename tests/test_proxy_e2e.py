@@ -270,6 +270,39 @@ def test_legacy_group_version_document_comes_from_the_peer(cluster: DemoCluster)
     assert group.status == 200 and group.json()["kind"] == "APIGroup", group
 
 
+# --------------------------------------------------------------------------- client addresses
+
+CLIENT_IP = "127.0.0.2"
+"""The test client's source address; mvproxy reaches every backend from 127.0.0.1."""
+
+
+@pytest.mark.parametrize("claimed", [None, "127.0.0.9"], ids=["plain", "client-sent XFF"])
+@pytest.mark.parametrize("route", ["local", "peer"])
+def test_audit_source_ips_list_the_real_client(cluster: DemoCluster, route: str,
+                                               claimed: str | None) -> None:
+    """The backend's audit ``sourceIPs`` name the client, not only mvproxy, on both routes.
+
+    Upstream: Go's ``httputil.ReverseProxy`` (used by kube-apiserver's proxies,
+    staging/src/k8s.io/apimachinery/pkg/util/proxy/upgradeaware.go) appends the
+    downstream's address to ``X-Forwarded-For``; kube-apiserver's audit records
+    ``utilnet.SourceIPs`` (staging/src/k8s.io/apimachinery/pkg/util/net/http.go).
+    Whatever a client claims stays first, as when it talks to kube-apiserver directly.
+    """
+    marker = f"xff-{route}-{claimed or 'plain'}"
+    path = (f"/api/v1/namespaces/default/configmaps?labelSelector={marker}"
+            if route == "local" else f"{PODGROUPS}/namespaces/default/podgroups"
+                                     f"?labelSelector={marker}")
+    headers = {"X-Forwarded-For": claimed} if claimed else {}
+    answer = request(cluster, OLD, "GET", path, headers=headers, source=CLIENT_IP)
+    assert answer.status == 200, answer
+    entry = wait_for_audit(_audit(cluster, OLD if route == "local" else NEW),
+                           uri_startswith(path))
+    expected = [CLIENT_IP, "127.0.0.1"] if claimed is None else [claimed, CLIENT_IP,
+                                                                  "127.0.0.1"]
+    assert entry["sourceIPs"] == expected, entry
+    assert entry["peerProxied"] == ("true" if route == "peer" else None)
+
+
 # --------------------------------------------------------------------------- identity
 
 

@@ -287,20 +287,15 @@ def test_request_info_is_immutable():
         pytest.param("GET", "/api/v1/proxy/namespaces/ns/pods/p", "", True, id="legacy-proxy-verb"),
         pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "follow=true", True, id="log-follow-true"),
         pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "follow=1&container=c", True, id="log-follow-1"),
-        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "follow=false", False, id="log-follow-false"),
-        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "tailLines=10", False, id="log-without-follow"),
-        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/status", "follow=true", False, id="follow-only-matters-on-log"),
+        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "follow=false", True, id="log-follow-false"),
+        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/log", "tailLines=10", True, id="log-without-follow"),
+        pytest.param("GET", "/api/v1/namespaces/ns/pods/p/status", "follow=true", False, id="status-is-not"),
         pytest.param("GET", "/debug/pprof/profile", "seconds=30", True, id="pprof-non-resource"),
         pytest.param("GET", "/healthz", "watch=true", False, id="non-resource-never-watch"),
     ],
 )
-@pytest.mark.parametrize("query_form", ["mapping", "string"])
-def test_is_long_running(method, path, query, expected, query_form):
-    info = parse_request_info(method, path, query)
-    q = query if query_form == "string" else dict(p.split("=", 1) for p in query.split("&") if p)
-    assert is_long_running(info, q) is expected
-
-
-def test_is_long_running_query_defaults_to_empty():
-    log = parse_request_info("GET", "/api/v1/namespaces/ns/pods/p/log")
-    assert is_long_running(log) is False
+def test_is_long_running(method, path, query, expected):
+    """As kube-apiserver: ``BasicLongRunningRequestCheck`` (staging/src/k8s.io/apiserver/
+    pkg/server/filters/longrunning.go) with verbs {watch, proxy} and subresources
+    {attach, exec, log, portforward, proxy} (pkg/controlplane/apiserver/config.go)."""
+    assert is_long_running(parse_request_info(method, path, query)) is expected

@@ -418,3 +418,24 @@ def test_sim_with_unwritable_audit_log_exits_2_with_one_message(
     assert done.returncode == 2, done
     assert done.stderr.strip().splitlines() == [
         f"mvproxy: error: cannot open audit log {path}: No such file or directory"]
+
+
+@pytest.mark.parametrize(("forwarded_for", "real_ip", "remote", "expected"), [
+    ("", "", "127.0.0.1", ["127.0.0.1"]),
+    ("127.0.0.2", "", "127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
+    ("127.0.0.2, 127.0.0.1", "", "127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
+    ("127.0.0.1, 127.0.0.2", "", "127.0.0.1", ["127.0.0.1", "127.0.0.2", "127.0.0.1"]),
+    ("not-an-ip, 127.0.0.2,, ", "", "127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
+    ("127.0.0.2", "127.0.0.2", "127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
+    ("127.0.0.2", "127.0.0.3", "127.0.0.1", ["127.0.0.2", "127.0.0.3", "127.0.0.1"]),
+    ("", "garbage", "127.0.0.1", ["127.0.0.1"]),
+    ("127.000.000.002", "", "::ffff:127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
+    ("fe80::1%eth0, ::1", "", "::1", ["::1"]),
+])
+def test_source_ips_as_kube_apiserver_computes_them(forwarded_for, real_ip, remote, expected):
+    """kube's ``SourceIPs`` (staging/src/k8s.io/apimachinery/pkg/util/net/http.go): valid
+    ``X-Forwarded-For`` entries, then ``X-Real-Ip`` unless listed, then the connection's
+    address unless it is already the last entry."""
+    from mvproxy.devcluster.simauth import source_ips
+
+    assert source_ips(forwarded_for, real_ip, remote) == expected

@@ -99,7 +99,7 @@ def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
         async def handle(exchange: Exchange) -> None:
             try:
                 headers = forwarding.request_headers(exchange.fields, exchange.downstream,
-                                                     to_peer=to_peer)
+                                                     to_peer=to_peer, client="")
                 proxy.upgrades.append(exchange.upgrade)
                 try:
                     await forwarding.forward(exchange, transport, upstream, headers,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import io
+import ipaddress
 import json
 import os
 import uuid
@@ -363,13 +364,41 @@ def _object_ref(info: RequestInfo) -> dict[str, str] | None:
     return {k: v for k, v in ref.items() if v}  # omitempty, as kube
 
 
-def _source_ips(request: web.Request) -> list[str]:
-    """X-Forwarded-For, then X-Real-Ip, then the peer address (kube's SourceIPs)."""
-    ips = [p.strip() for p in request.headers.get("X-Forwarded-For", "").split(",") if p.strip()]
-    for candidate in (request.headers.get("X-Real-Ip", "").strip(), request.remote or ""):
-        if candidate and candidate not in ips:
-            ips.append(candidate)
+def parse_ip(text: str) -> str | None:
+    """An address as Go's ``netutils.ParseIPSloppy`` reads it and ``net.IP.String``
+    prints it (IPv4 octets may have leading zeros, IPv4-mapped IPv6 prints as IPv4,
+    zones are refused), or None."""
+    if "%" in text:
+        return None
+    parts = text.split(".")
+    if len(parts) == 4 and all(p.isdigit() and p.isascii() for p in parts):
+        text = ".".join(str(int(p)) for p in parts)  # ParseIPSloppy: 010 is ten
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def source_ips(forwarded_for: str, real_ip: str, remote: str) -> list[str]:
+    """kube's ``SourceIPs`` (apimachinery/pkg/util/net/http.go): every valid address
+    in the first ``X-Forwarded-For`` field, then ``X-Real-Ip`` unless already listed,
+    then the connection's address unless it is the last one listed."""
+    ips = [ip for ip in map(parse_ip, (p.strip() for p in forwarded_for.split(","))) if ip]
+    real = parse_ip(real_ip) if real_ip else None
+    if real and real not in ips:
+        ips.append(real)
+    address = parse_ip(remote)
+    if address and (not ips or ips[-1] != address):
+        ips.append(address)
     return ips
+
+
+def _source_ips(request: web.Request) -> list[str]:
+    return source_ips(request.headers.get("X-Forwarded-For", ""),
+                      request.headers.get("X-Real-Ip", ""), request.remote or "")
 
 
 @dataclass
