@@ -2,11 +2,11 @@
 
 Which view a client gets (DESIGN.md, "Request decision" step 2):
 
-- from a peer, with ``profile=nopeer``, or protobuf-only: the backend's own answer,
-  forwarded (a peer polling us must see our backend, not our merge of it);
+- from a peer, or with ``profile=nopeer`` (JSON or protobuf): the backend's own
+  answer, forwarded (a peer polling us must see our backend, not our merge of it);
 - aggregated v2/v2beta1: the merged document from the cache;
 - legacy JSON: the merged ``APIVersions`` / ``APIGroupList``;
-- anything else: 406.
+- anything else, other protobuf included (it would lack the peer-only APIs): 406.
 
 The merged bytes and ETag are rendered once per cache generation. Before answering
 from the cache, mvproxy asks the backend the same question with the downstream's
@@ -102,7 +102,7 @@ class DiscoveryHandler:
         negotiated = discovery.negotiate(headers.get("Accept"))
         if negotiated.nopeer:
             self.metrics.nopeer_requests.inc()
-        if exchange.downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
+        if exchange.downstream.is_peer or negotiated.nopeer:  # "backend" is nopeer too
             await self._from_backend(exchange)
             return
         if negotiated.kind == "not_acceptable":
