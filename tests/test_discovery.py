@@ -27,6 +27,7 @@ from mvproxy.discovery import (
     negotiate,
     parse_aggregated,
     render_aggregated,
+    render_api_group,
     render_api_group_list,
     render_api_versions,
     snapshot_from_documents,
@@ -319,6 +320,45 @@ def test_legacy_group_list_lists_all_stale_groups_and_leaves_out_empty_ones():
                                         "version": "v1beta1"}
 
 
+def _group_list_entries(groups) -> dict[str, dict]:
+    return {g["name"]: g for g in json.loads(render_api_group_list(groups))["groups"]}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_api_group_is_what_the_release_serves_byte_for_byte(version):
+    """kube writes APIGroup as kind, apiVersion, name, versions, preferredVersion
+    (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go, metav1.APIGroup);
+    the simulated kube-apiserver's documents stand for the real ones."""
+    release_catalog = catalog.load_catalog(version)
+    for group in release_snapshot(version).groups:
+        expected = discoverydocs.api_group(release_catalog, group["metadata"]["name"])
+        assert render_api_group(group) == json.dumps(expected, separators=(",", ":")).encode()
+
+
+def test_api_group_agrees_with_the_merged_group_list():
+    """One merged group's APIGroup equals its APIGroupList entry, preferred version
+    included (first version not Stale), even where servers disagree on versions."""
+    servers = {"apiserver-a": release_snapshot("1.35"), "apiserver-b": release_snapshot("1.36"),
+               "apiserver-c": release_snapshot("1.37")}
+    groups = merge(servers, stale={"apiserver-c"}).groups
+    entries = _group_list_entries(groups)
+    assert set(entries) == {g["metadata"]["name"] for g in groups}
+    for group in groups:
+        rendered = json.loads(render_api_group(group))
+        assert rendered.pop("kind") == "APIGroup" and rendered.pop("apiVersion") == "v1"
+        assert rendered == entries[group["metadata"]["name"]]
+
+
+def test_api_group_prefers_the_first_version_not_stale():
+    group = {"metadata": {"name": "widgets.example.com"},
+             "versions": [{"version": "v2", "freshness": "Stale"}, {"version": "v1"}]}
+    assert render_api_group(group) == (
+        b'{"kind":"APIGroup","apiVersion":"v1","name":"widgets.example.com","versions":['
+        b'{"groupVersion":"widgets.example.com/v2","version":"v2"},'
+        b'{"groupVersion":"widgets.example.com/v1","version":"v1"}],'
+        b'"preferredVersion":{"groupVersion":"widgets.example.com/v1","version":"v1"}}')
+
+
 def test_etag_has_upstreams_format():
     assert re.fullmatch(r'"[0-9A-F]{128}"', etag(b"{}"))
 
@@ -411,6 +451,29 @@ def test_negotiate(accept, expected):
     aggregated/wrapper.go negotiates; protobuf only as ``profile=nopeer`` (the backend's
     own view): any other protobuf answer would lack the peer-only APIs."""
     assert negotiate(accept) == expected
+
+
+GROUP_NEGOTIATION = [
+    pytest.param(KUBECTL_130_TO_136, LEGACY, id="kubectl's aggregated clauses are skipped"),
+    pytest.param(KUBECTL_120_AND_RAW, LEGACY, id="kubectl 1.20 and get --raw"),
+    pytest.param(None, LEGACY, id="no Accept"),
+    pytest.param("*/*", LEGACY, id="a wildcard"),
+    pytest.param(PEER_ACCEPT, LEGACY, id="nopeer means nothing without aggregation"),
+    pytest.param(AGG_V2, NOT_ACCEPTABLE, id="aggregated alone is not acceptable"),
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer", NOT_ACCEPTABLE, id="nopeer protobuf too"),
+    pytest.param("application/vnd.kubernetes.protobuf", NOT_ACCEPTABLE, id="protobuf alone"),
+    pytest.param("application/vnd.kubernetes.protobuf,application/json", LEGACY,
+                 id="protobuf then JSON gets JSON"),
+    pytest.param("application/yaml", NOT_ACCEPTABLE, id="YAML"),
+]
+
+
+@pytest.mark.parametrize(("accept", "expected"), GROUP_NEGOTIATION)
+def test_negotiate_group(accept, expected):
+    """``/apis/<g>`` offers no aggregated conversion (staging/src/k8s.io/apiserver/pkg/
+    endpoints/discovery/group.go writes APIGroup with the default endpoint restrictions):
+    only the legacy ``APIGroup``, merged."""
+    assert negotiate(accept, aggregated=False) == expected
 
 
 def test_constants_are_upstreams_exact_strings():
