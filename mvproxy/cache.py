@@ -88,6 +88,16 @@ class CacheView:
             self._documents["merged"] = _merge(self)
         return self._documents["merged"]
 
+    def merged_group(self, name: str) -> dict | None:
+        """The merged named group ``name`` if it lists a version (what ``/apis/<name>``
+        shows); the same groups as ``local_groups`` plus ``capable_group``."""
+        if "groups" not in self._documents:
+            merged = self.merged()
+            self._documents["groups"] = {
+                discovery.group_name(g): g for g in (merged.groups if merged else ())
+                if g.get("versions")}
+        return self._documents["groups"].get(name)
+
     def document(self, key: tuple[str, ...], render: Callable[[], bytes]) -> tuple[Document, bool]:
         """Memoised rendering for this generation; returns (document, was_cached)."""
         cached = self._documents.get(key)

@@ -68,6 +68,7 @@ __all__ = [
     "negotiate",
     "parse_aggregated",
     "render_aggregated",
+    "render_api_group",
     "render_api_group_list",
     "render_api_versions",
     "snapshot_from_documents",
@@ -522,6 +523,13 @@ def _legacy_group(group: Mapping) -> dict:
     return {"name": name, "versions": refs, "preferredVersion": (fresh or refs)[0]}
 
 
+def render_api_group(group: Mapping) -> bytes:
+    """Legacy ``/apis/<g>`` ``APIGroup`` of one merged group that lists a version: the
+    same entry, preferred version included, as :func:`render_api_group_list` gives it,
+    so ``/apis`` and ``/apis/<g>`` never disagree."""
+    return _compact({"kind": "APIGroup", "apiVersion": "v1", **_legacy_group(group)})
+
+
 def render_api_group_list(groups: Iterable[Mapping]) -> bytes:
     """Legacy ``/apis`` ``APIGroupList`` from merged groups.
 
@@ -547,8 +555,8 @@ def etag(body: bytes) -> str:
 class Negotiated:
     """What to answer a discovery request with, decided from its Accept header alone."""
 
-    #: "aggregated", "legacy", "backend" (protobuf: let the backend answer) or
-    #: "not_acceptable".
+    #: "aggregated", "legacy", "backend" (protobuf ``profile=nopeer``: the backend's own
+    #: view, which mvproxy cannot encode) or "not_acceptable".
     kind: str
     #: Exact Content-Type to send (no ``profile``); "" unless aggregated or legacy.
     content_type: str = ""
@@ -559,7 +567,7 @@ class Negotiated:
 
 
 _LEGACY = Negotiated("legacy", "application/json")
-_BACKEND = Negotiated("backend")
+_BACKEND_NOPEER = Negotiated("backend", nopeer=True)
 _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
@@ -592,9 +600,7 @@ def _ranked_clauses(accept: str) -> list[tuple[str, dict[str, str]]]:
     return [(media_type, params) for _, media_type, params in clauses]
 
 
-def _json_outcome(params: Mapping[str, str]) -> Negotiated | None:
-    if "as" not in params:
-        return _LEGACY
+def _aggregated_outcome(params: Mapping[str, str]) -> Negotiated | None:
     version = params.get("v", "")
     if (params["as"] != _LIST_KIND or params.get("g") != "apidiscovery.k8s.io"
             or version not in _CONTENT_TYPES):
@@ -604,40 +610,49 @@ def _json_outcome(params: Mapping[str, str]) -> Negotiated | None:
                       nopeer=params.get("profile") == "nopeer")
 
 
-def _outcome(media_type: str, params: Mapping[str, str]) -> Negotiated | None:
-    if media_type == "application/json":
-        return _json_outcome(params)
+def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool) -> Negotiated | None:
     if media_type in ("*/*", "application/*"):
         return _LEGACY
-    if media_type == _PROTOBUF:
-        return _BACKEND
-    return None
+    if media_type not in ("application/json", _PROTOBUF):
+        return None
+    if "as" not in params:
+        # Protobuf legacy documents would come from the backend alone, without the
+        # peer-only groups that mvproxy's merged JSON lists: skipped, like YAML.
+        return _LEGACY if media_type == "application/json" else None
+    outcome = _aggregated_outcome(params) if aggregated else None
+    if media_type == _PROTOBUF and outcome is not None:
+        # mvproxy cannot encode protobuf; only the backend's own view may be asked so.
+        return _BACKEND_NOPEER if outcome.nopeer else None
+    return outcome
 
 
-def negotiate(accept: str | None) -> Negotiated:
-    """Choose the answer for ``GET /api`` or ``/apis`` (memoised for the short Accept
-    values clients send; the memo stays small whatever they send)."""
+def negotiate(accept: str | None, *, aggregated: bool = True) -> Negotiated:
+    """Choose the answer for a discovery request (memoised for the short Accept values
+    clients send; the memo stays small whatever they send). ``aggregated``: the path
+    offers aggregated discovery (``/api``, ``/apis``; not ``/apis/<g>``)."""
     if accept is not None and len(accept) <= 512:
-        return _negotiate_memo(accept)
-    return _negotiate(accept)
+        return _negotiate_memo(accept, aggregated)
+    return _negotiate(accept, aggregated)
 
 
 @functools.lru_cache(maxsize=256)
-def _negotiate_memo(accept: str) -> Negotiated:
-    return _negotiate(accept)
+def _negotiate_memo(accept: str, aggregated: bool) -> Negotiated:
+    return _negotiate(accept, aggregated)
 
 
-def _negotiate(accept: str | None) -> Negotiated:
-    """Choose the answer for ``GET /api`` or ``/apis``: first acceptable clause wins.
+def _negotiate(accept: str | None, aggregated: bool) -> Negotiated:
+    """The first acceptable clause wins (upstream's ``NegotiateMediaTypeOptions``).
 
-    Aggregated JSON (v2, v2beta1) → the merged document; plain JSON or a wildcard or
-    no Accept → legacy documents; protobuf → the backend, since mvproxy does not encode
-    protobuf; nothing usable → not_acceptable.
+    Aggregated JSON (v2, v2beta1), where offered → the merged document; plain JSON or a
+    wildcard or no Accept → legacy documents, merged; protobuf → only with
+    ``profile=nopeer`` (to the backend): every other protobuf answer would lack the
+    peer-only APIs, so the client's next clause is used; nothing usable →
+    not_acceptable.
     """
     if accept is None or not accept.strip():
         return _LEGACY
     for media_type, params in _ranked_clauses(accept):
-        outcome = _outcome(media_type, params)
+        outcome = _outcome(media_type, params, aggregated)
         if outcome is not None:
             return outcome
     return _NOT_ACCEPTABLE

@@ -1,20 +1,24 @@
-"""``GET /api`` and ``GET /apis``: the merged (peer-aggregated) discovery documents.
+"""``GET /api``, ``/apis`` and ``/apis/<g>``: the merged (peer-aggregated) discovery.
 
 Which view a client gets (DESIGN.md, "Request decision" step 2):
 
-- from a peer, with ``profile=nopeer``, or protobuf-only: the backend's own answer,
-  forwarded (a peer polling us must see our backend, not our merge of it);
-- aggregated v2/v2beta1: the merged document from the cache;
-- legacy JSON: the merged ``APIVersions`` / ``APIGroupList``;
-- anything else: 406.
+- from a peer, or with ``profile=nopeer`` (JSON or protobuf): the backend's own
+  answer, forwarded (a peer polling us must see our backend, not our merge of it);
+- aggregated v2/v2beta1 (``/api``, ``/apis`` only): the merged document from the cache;
+- legacy JSON: the merged ``APIVersions`` / ``APIGroupList`` / ``APIGroup``, so
+  ``/apis/<g>`` lists the versions only peers serve, as ``/apis`` does;
+- anything else, other protobuf included (it would lack the peer-only APIs): 406.
 
 The merged bytes and ETag are rendered once per cache generation. Before answering
 from the cache, mvproxy asks the backend the same question with the downstream's
-credentials (``If-None-Match``, so it usually costs a 304): mvproxy must never show
-discovery to a client the backend would refuse, and it cannot judge a bearer
-token itself. A yes is remembered for ``AUTHORIZED_TTL`` per set of credentials
-(kube-apiserver itself caches a successful token authentication for 10 s), by a
-hash, never the credentials themselves.
+credentials: mvproxy must never show discovery to a client the backend would
+refuse, and it cannot judge a bearer token itself. ``/api`` and ``/apis`` are asked
+with ``If-None-Match``, so it usually costs a 304; ``/apis/<g>`` is asked exactly as
+the client asked it (the backend's 200 or 404 is a yes), so a refusal is the one the
+backend gives for that request and tells nobody which groups peers serve. Only
+groups of the merged view get that far. A yes is remembered for ``AUTHORIZED_TTL``
+per set of credentials and path (kube-apiserver itself caches a successful token
+authentication for 10 s), by a hash, never the credentials themselves; a no never is.
 """
 
 from __future__ import annotations
@@ -85,44 +89,46 @@ class DiscoveryHandler:
         the backend said yes to within ``AUTHORIZED_TTL``. False: use ``handle``."""
         if exchange.downstream.is_peer:
             return False
-        negotiated = discovery.negotiate(exchange.headers.get("Accept"))
+        path = _probe_path(info)
+        negotiated = _negotiate(exchange, path)
         if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
             return False
         view = self.cache.view()
-        if not view.synced or view.merged() is None:
+        if not _answerable(view, path):
             return False
-        probe_path = "/api" if _is_core(info.path) else "/apis"
-        if self._authorized.get((_credentials_key(exchange), probe_path), 0.0) <= self.clock():
+        if self._authorized.get((_credentials_key(exchange), path), 0.0) <= self.clock():
             return False
-        self._merged(exchange, view, negotiated, core=_is_core(info.path))
+        self._merged(exchange, view, negotiated, path)
         return True
 
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
-        headers = exchange.headers
-        negotiated = discovery.negotiate(headers.get("Accept"))
+        path = _probe_path(info)
+        negotiated = _negotiate(exchange, path)
         if negotiated.nopeer:
             self.metrics.nopeer_requests.inc()
-        if exchange.downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
+        if exchange.downstream.is_peer or negotiated.nopeer:  # "backend" is nopeer too
             await self._from_backend(exchange)
-            return
-        if negotiated.kind == "not_acceptable":
-            answer = status_reply(406, "only aggregated (apidiscovery.k8s.io v2, v2beta1) "
-                                       "and legacy JSON discovery are served here")
-            exchange.respond(answer.status, answer.fields, answer.body)
             return
         view = self.cache.view()
-        if not view.synced or view.merged() is None:
-            # Until every server has been polled once, a merge would silently omit
-            # peer-only APIs; the backend's own answer is honest about what it knows.
+        if not _answerable(view, path):
             await self._from_backend(exchange)
             return
-        if await self._authorize(exchange, info.path):
-            self._merged(exchange, view, negotiated, core=_is_core(info.path))
+        # Authorization first, as in kube-apiserver: an unauthenticated client learns
+        # nothing here, not even which Accept values a group path would take.
+        if not await self._authorize(exchange, path):
+            return
+        if negotiated.kind == "not_acceptable":
+            offered = ("aggregated (apidiscovery.k8s.io v2, v2beta1) and legacy JSON"
+                       if path in _TOP_LEVEL else "legacy JSON")
+            answer = status_reply(406, f"only {offered} discovery is served here")
+            exchange.respond(answer.status, answer.fields, answer.body)
+        else:
+            self._merged(exchange, view, negotiated, path)
 
     def _merged(self, exchange: Exchange, view: CacheView,
-                negotiated: discovery.Negotiated, *, core: bool) -> None:
-        key = ("api" if core else "apis", negotiated.kind, negotiated.api_version or "")
-        document, cached = view.document(key, lambda: _render(view, negotiated, core))
+                negotiated: discovery.Negotiated, path: str) -> None:
+        key = (path, negotiated.kind, negotiated.api_version or "")
+        document, cached = view.document(key, lambda: _render(view, negotiated, path))
         (self.metrics.aggregated_cache_hits if cached
          else self.metrics.aggregated_cache_misses).inc()
         fields = [("ETag", document.etag), ("Vary", "Accept"), ("Cache-Control", "public")]
@@ -143,20 +149,22 @@ class DiscoveryHandler:
             exchange.respond(answer.status, answer.fields, answer.body)
 
     async def _authorize(self, exchange: Exchange, path: str) -> bool:
-        """True if the backend answers this downstream's discovery; else its refusal
-        has been relayed."""
-        probe_path = "/api" if _is_core(path) else "/apis"
-        key = (_credentials_key(exchange), probe_path)
+        """True if the backend answers this downstream's ``path``; else its refusal has
+        been relayed. ``path`` is ``/api``, ``/apis`` or a merged group's ``/apis/<g>``
+        (the memo stays bounded by the groups servers list, not by what clients send)."""
+        key = (_credentials_key(exchange), path)
         now = self.clock()
         if self._authorized.get(key, 0.0) > now:
             return True
         headers = forwarding.headers_for(exchange, to_peer=False)
-        headers["Accept"] = discovery.PEER_ACCEPT
-        headers.popall("If-None-Match", None)
-        if self._probe_etags.get(probe_path):
-            headers["If-None-Match"] = self._probe_etags[probe_path]
+        top_level = path in _TOP_LEVEL
+        if top_level:
+            headers["Accept"] = discovery.PEER_ACCEPT
+            headers.popall("If-None-Match", None)
+            if self._probe_etags.get(path):
+                headers["If-None-Match"] = self._probe_etags[path]
         try:
-            answer = await self.transport.fetch(self.backend.for_headers(headers), probe_path,
+            answer = await self.transport.fetch(self.backend.for_headers(headers), path,
                                                 headers=headers, timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
@@ -164,28 +172,52 @@ class DiscoveryHandler:
             failure = upstream_failure(exc, "the backend API server", self.retry_after)
             exchange.respond(failure.status, failure.fields, failure.body)
             return False
-        if answer.status == 200 and answer.headers.get("ETag"):
-            self._probe_etags[probe_path] = answer.headers["ETag"]
-        if answer.status in (200, 304):
+        if top_level and answer.status == 200 and answer.headers.get("ETag"):
+            self._probe_etags[path] = answer.headers["ETag"]
+        # A 404 for a group: authorized, the backend just does not serve it (peers do).
+        if answer.status in (200, 304) or answer.status == 404 and not top_level:
             self._authorized[key] = now + AUTHORIZED_TTL
             self._authorized.move_to_end(key)
             while len(self._authorized) > AUTHORIZED_MAX:
                 self._authorized.popitem(last=False)
             return True
-        content_type = answer.headers.get("Content-Type", "application/json")
-        exchange.respond(answer.status, [("Content-Type", content_type)], answer.body)
+        # The backend's refusal with its own fields, as if it had been forwarded.
+        exchange.respond(answer.status,
+                         forwarding.response_headers(list(answer.headers.items())),
+                         answer.body)
         return False
 
 
-def _is_core(path: str) -> bool:
-    return path.rstrip("/") == "/api"
+_TOP_LEVEL = frozenset(("/api", "/apis"))
 
 
-def _render(view: CacheView, negotiated: discovery.Negotiated, core: bool) -> bytes:
+def _probe_path(info: RequestInfo) -> str:
+    """The discovery document asked for: ``/api``, ``/apis`` or ``/apis/<g>``."""
+    if info.api_group:
+        return f"/apis/{info.api_group}"
+    return "/api" if info.path.rstrip("/") == "/api" else "/apis"
+
+
+def _negotiate(exchange: Exchange, path: str) -> discovery.Negotiated:
+    return discovery.negotiate(exchange.headers.get("Accept"), aggregated=path in _TOP_LEVEL)
+
+
+def _answerable(view: CacheView, path: str) -> bool:
+    """Whether the merged view may answer: not before every server has been polled once
+    (a merge would silently omit peer-only APIs; the backend's own answer is honest
+    about what it knows), and for ``/apis/<g>`` only if it lists the group."""
+    if not view.synced or view.merged() is None:
+        return False
+    return path in _TOP_LEVEL or view.merged_group(path[len("/apis/"):]) is not None
+
+
+def _render(view: CacheView, negotiated: discovery.Negotiated, path: str) -> bytes:
+    if path not in _TOP_LEVEL:
+        return discovery.render_api_group(view.merged_group(path[len("/apis/"):]))
     merged = view.merged()
-    groups = merged.core if core else merged.groups
+    groups = merged.core if path == "/api" else merged.groups
     if negotiated.kind == "aggregated":
         return discovery.render_aggregated(groups, api_version=negotiated.api_version)
-    if core:
+    if path == "/api":
         return discovery.render_api_versions(groups)
     return discovery.render_api_group_list(groups)

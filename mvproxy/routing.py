@@ -9,8 +9,10 @@ the cost does not grow with the number of resources.
 2. ``GET``/``HEAD`` ``/api`` or ``/apis`` -> the discovery handler; ``GET /openapi/v3``
    -> the backend's OpenAPI index plus peer-only group/versions (``openapi``).
 3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
-4. ``/apis/<g>``, ``/apis/<g>/<v>``, ``/openapi/v3/apis/<g>/<v>`` -> backend if it
-   serves the group (version), else a capable peer.
+4. ``GET``/``HEAD`` ``/apis/<g>`` of a group some server lists -> the discovery
+   handler (the merged ``APIGroup``, so it agrees with the merged ``/apis``);
+   ``/apis/<g>/<v>``, ``/openapi/v3/apis/<g>/<v>`` (and other methods on ``/apis/<g>``)
+   -> backend if it serves the group (version), else a capable peer.
 5. Resource requests -> backend if it serves group/version/resource *and* the
    subresource; else the capable reachable peers in random order (the first is
    tried, the rest are failover); capable peers that are all unreachable -> 503;
@@ -42,6 +44,7 @@ class Decision:
 
 TO_BACKEND_PEER_PROXIED = Decision(BACKEND, "peer-proxied")
 TO_DISCOVERY = Decision(DISCOVERY, "discovery")
+TO_GROUP_DISCOVERY = Decision(DISCOVERY, "group discovery")
 TO_OPENAPI_INDEX = Decision(OPENAPI_INDEX, "openapi index")
 TO_BACKEND_UNSYNCED = Decision(BACKEND, "not synced")
 TO_BACKEND_LOCAL = Decision(BACKEND, "served locally")
@@ -71,10 +74,20 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
         capable = view.capable_peers(info.api_group, info.api_version, info.resource,
                                      info.subresource)
         return _among(capable, view, rng)
+    if is_group_discovery(info):
+        known = info.api_group in view.local_groups or view.capable_group_peers(info.api_group)
+        return TO_GROUP_DISCOVERY if known else TO_BACKEND_NOBODY
     group_version = group_version_path(info)
     if group_version is None:
         return TO_BACKEND_OTHER
     return _decide_group_version(*group_version, view, rng)
+
+
+def is_group_discovery(info: RequestInfo) -> bool:
+    """``GET``/``HEAD`` ``/apis/<g>`` (or ``/apis/<g>/``): a legacy ``APIGroup`` request."""
+    group = info.api_group
+    return (bool(group) and info.verb in ("get", "head")
+            and info.path in (f"/apis/{group}", f"/apis/{group}/"))
 
 
 def group_version_path(info: RequestInfo) -> tuple[str, str] | None:

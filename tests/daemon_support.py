@@ -48,8 +48,10 @@ def root(tmp_path_factory) -> Path:
 
 def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
                 routes=None, seen: list[tuple[str, str]] | None = None,
-                health: dict | None = None) -> web.Application:
-    """Aggregated discovery of ``version`` on /api and /apis; an echo everywhere else.
+                health: dict | None = None, groups: list[dict] | None = None
+                ) -> web.Application:
+    """Aggregated discovery of ``version`` (plus ``groups``, aggregated group entries)
+    on /api and /apis; an echo everywhere else.
 
     With ``gate``, /apis answers only once the gate is set (a first poll in progress).
     ``seen`` collects (method, raw target) of every request but the discovery polls.
@@ -64,8 +66,10 @@ def fake_server(name: str, version: str, gate: asyncio.Event | None = None,
         return await handler(request)
 
     catalog = load_catalog(version)
+    apis = aggregated(catalog, core=False)
+    apis["items"] += groups or []
     documents = {"/api": json.dumps(aggregated(catalog, core=True)).encode(),
-                 "/apis": json.dumps(aggregated(catalog, core=False)).encode()}
+                 "/apis": json.dumps(apis).encode()}
 
     async def discovery(request: web.Request) -> web.StreamResponse:
         if health is not None and not health["discovery"]:
@@ -210,18 +214,23 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
                   backend_routes=None, extra_peers: int = 0, peer_routes=None,
-                  listener: dict[str, object] | None = None, **discovery: str):
+                  listener: dict[str, object] | None = None,
+                  backend_groups: list[dict] | None = None,
+                  peer_groups: list[dict] | None = None, **discovery: str):
     gate = asyncio.Event()
     health: dict = {"discovery": True, "mode": "ok"}
     seen: dict[str, list[tuple[str, str]]] = {"backend": [], "peer": []}
-    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
-                                               seen=seen["backend"]), ssl=pki.server_context(
+    backend_ssl = pki.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
-        root / "front-proxy-ca.crt"))  # optional, like kube-apiserver (anonymous, tokens)
+        root / "front-proxy-ca.crt")  # optional, like kube-apiserver (anonymous, tokens)
+    backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
+                                               seen=seen["backend"], groups=backend_groups),
+                                   ssl=backend_ssl)
     peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
                                   root / "front-proxy-ca.crt", require_client_cert=True)
     peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"],
-                                            routes=peer_routes, health=health), ssl=peer_ssl)
+                                            routes=peer_routes, health=health,
+                                            groups=peer_groups), ssl=peer_ssl)
     others = [await aiohttp_server(fake_server(f"peer-{i}", "1.36", routes=peer_routes),
                                    ssl=peer_ssl) for i in range(extra_peers)]
     overrides = {
@@ -268,6 +277,7 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
             made = Cluster(root, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
                            peer, gate, sessions, contexts, seen, health)
             made.backend_server = backend
+            made.daemon = daemon
             yield made
     finally:
         gate.set()

@@ -343,6 +343,29 @@ def test_capable_index_covers_resources_subresources_and_group_versions(clock, v
     assert ("", "v1", "pods", "exec") in view.capable
 
 
+def test_merged_groups_are_the_groups_routing_knows(clock, v135, v136):
+    """Routing sends ``/apis/<g>`` to merged discovery when ``local_groups`` or
+    ``capable_group`` has g, without merging: ``merged_group`` must find exactly those
+    (a group listed without versions is in neither), also once the peer is unreachable."""
+    empty = {"metadata": {"name": "empty.example.com"}, "versions": []}
+    widgets = {"metadata": {"name": "widgets.example.com"},
+               "versions": [{"version": "v1", "resources": []}]}
+    cache = new_cache(clock)
+    cache.record_success(SELF, Snapshot(v135.core, (*v135.groups, empty)))
+    cache.record_success("apiserver-b", Snapshot(v136.core, (*v136.groups, empty, widgets)))
+    views = [cache.view()]
+    clock.now += STALE_AFTER + 1
+    cache.record_failure("apiserver-b")
+    views.append(cache.view())
+    assert views[1].reachable == frozenset()
+    for view in views:
+        routed = (set(view.local_groups) | set(view.capable_group)) - {""}  # "": core
+        named = {discovery.group_name(g) for g in view.merged().groups}
+        assert {n for n in named if view.merged_group(n) is not None} == routed
+        assert "widgets.example.com" in routed and "empty.example.com" not in routed
+        assert view.merged_group("empty.example.com") is None
+
+
 def test_group_version_deleted_everywhere_disappears_after_the_next_polls(clock, v135):
     cache = new_cache(clock)
     cache.record_success(SELF, v135)

@@ -27,6 +27,7 @@ from mvproxy.discovery import (
     negotiate,
     parse_aggregated,
     render_aggregated,
+    render_api_group,
     render_api_group_list,
     render_api_versions,
     snapshot_from_documents,
@@ -319,6 +320,45 @@ def test_legacy_group_list_lists_all_stale_groups_and_leaves_out_empty_ones():
                                         "version": "v1beta1"}
 
 
+def _group_list_entries(groups) -> dict[str, dict]:
+    return {g["name"]: g for g in json.loads(render_api_group_list(groups))["groups"]}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_api_group_is_what_the_release_serves_byte_for_byte(version):
+    """kube writes APIGroup as kind, apiVersion, name, versions, preferredVersion
+    (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go, metav1.APIGroup);
+    the simulated kube-apiserver's documents stand for the real ones."""
+    release_catalog = catalog.load_catalog(version)
+    for group in release_snapshot(version).groups:
+        expected = discoverydocs.api_group(release_catalog, group["metadata"]["name"])
+        assert render_api_group(group) == json.dumps(expected, separators=(",", ":")).encode()
+
+
+def test_api_group_agrees_with_the_merged_group_list():
+    """One merged group's APIGroup equals its APIGroupList entry, preferred version
+    included (first version not Stale), even where servers disagree on versions."""
+    servers = {"apiserver-a": release_snapshot("1.35"), "apiserver-b": release_snapshot("1.36"),
+               "apiserver-c": release_snapshot("1.37")}
+    groups = merge(servers, stale={"apiserver-c"}).groups
+    entries = _group_list_entries(groups)
+    assert set(entries) == {g["metadata"]["name"] for g in groups}
+    for group in groups:
+        rendered = json.loads(render_api_group(group))
+        assert rendered.pop("kind") == "APIGroup" and rendered.pop("apiVersion") == "v1"
+        assert rendered == entries[group["metadata"]["name"]]
+
+
+def test_api_group_prefers_the_first_version_not_stale():
+    group = {"metadata": {"name": "widgets.example.com"},
+             "versions": [{"version": "v2", "freshness": "Stale"}, {"version": "v1"}]}
+    assert render_api_group(group) == (
+        b'{"kind":"APIGroup","apiVersion":"v1","name":"widgets.example.com","versions":['
+        b'{"groupVersion":"widgets.example.com/v2","version":"v2"},'
+        b'{"groupVersion":"widgets.example.com/v1","version":"v1"}],'
+        b'"preferredVersion":{"groupVersion":"widgets.example.com/v1","version":"v1"}}')
+
+
 def test_etag_has_upstreams_format():
     assert re.fullmatch(r'"[0-9A-F]{128}"', etag(b"{}"))
 
@@ -352,7 +392,7 @@ MERGED_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2)
 MERGED_V2BETA1 = Negotiated("aggregated", AGGREGATED_V2BETA1, API_VERSION_V2BETA1)
 NOPEER_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2, nopeer=True)
 LEGACY = Negotiated("legacy", "application/json")
-BACKEND = Negotiated("backend")
+BACKEND_NOPEER = Negotiated("backend", nopeer=True)
 NOT_ACCEPTABLE = Negotiated("not_acceptable")
 
 NEGOTIATION = [
@@ -376,10 +416,19 @@ NEGOTIATION = [
                  MERGED_V2, id="spaces around parameters are ignored"),
     pytest.param("application/json;v=v2;as=APIGroupDiscoveryList;g=apidiscovery.k8s.io",
                  MERGED_V2, id="parameter order does not matter"),
-    pytest.param(f"{PROTOBUF_AGG},application/json", BACKEND,
-                 id="aggregated protobuf first goes to the backend"),
-    pytest.param("application/vnd.kubernetes.protobuf, */*", BACKEND,
-                 id="plain protobuf first goes to the backend"),
+    pytest.param(f"{PROTOBUF_AGG},application/json", LEGACY,
+                 id="aggregated protobuf is skipped for the next clause"),
+    pytest.param(f"{PROTOBUF_AGG},{AGG_V2}", MERGED_V2,
+                 id="aggregated protobuf then JSON gets merged JSON"),
+    pytest.param("application/vnd.kubernetes.protobuf, */*", LEGACY,
+                 id="plain protobuf is skipped for the next clause"),
+    pytest.param(PROTOBUF_AGG, NOT_ACCEPTABLE, id="aggregated protobuf alone is not acceptable"),
+    pytest.param("application/vnd.kubernetes.protobuf", NOT_ACCEPTABLE,
+                 id="plain protobuf alone is not acceptable"),
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer,application/json", BACKEND_NOPEER,
+                 id="nopeer protobuf goes to the backend"),
+    pytest.param("application/vnd.kubernetes.protobuf;profile=nopeer,application/json", LEGACY,
+                 id="nopeer without aggregation is plain protobuf, skipped"),
     pytest.param(f"application/json,{PROTOBUF_AGG}", LEGACY, id="JSON before protobuf stays JSON"),
     pytest.param(f"application/json;q=0.5,{AGG_V2}", MERGED_V2, id="higher q wins"),
     pytest.param(f"{AGG_V2};q=0,application/json", LEGACY, id="q=0 excludes a clause"),
@@ -398,7 +447,33 @@ NEGOTIATION = [
 
 @pytest.mark.parametrize(("accept", "expected"), NEGOTIATION)
 def test_negotiate(accept, expected):
+    """First acceptable clause, as staging/src/k8s.io/apiserver/pkg/endpoints/discovery/
+    aggregated/wrapper.go negotiates; protobuf only as ``profile=nopeer`` (the backend's
+    own view): any other protobuf answer would lack the peer-only APIs."""
     assert negotiate(accept) == expected
+
+
+GROUP_NEGOTIATION = [
+    pytest.param(KUBECTL_130_TO_136, LEGACY, id="kubectl's aggregated clauses are skipped"),
+    pytest.param(KUBECTL_120_AND_RAW, LEGACY, id="kubectl 1.20 and get --raw"),
+    pytest.param(None, LEGACY, id="no Accept"),
+    pytest.param("*/*", LEGACY, id="a wildcard"),
+    pytest.param(PEER_ACCEPT, LEGACY, id="nopeer means nothing without aggregation"),
+    pytest.param(AGG_V2, NOT_ACCEPTABLE, id="aggregated alone is not acceptable"),
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer", NOT_ACCEPTABLE, id="nopeer protobuf too"),
+    pytest.param("application/vnd.kubernetes.protobuf", NOT_ACCEPTABLE, id="protobuf alone"),
+    pytest.param("application/vnd.kubernetes.protobuf,application/json", LEGACY,
+                 id="protobuf then JSON gets JSON"),
+    pytest.param("application/yaml", NOT_ACCEPTABLE, id="YAML"),
+]
+
+
+@pytest.mark.parametrize(("accept", "expected"), GROUP_NEGOTIATION)
+def test_negotiate_group(accept, expected):
+    """``/apis/<g>`` offers no aggregated conversion (staging/src/k8s.io/apiserver/pkg/
+    endpoints/discovery/group.go writes APIGroup with the default endpoint restrictions):
+    only the legacy ``APIGroup``, merged."""
+    assert negotiate(accept, aggregated=False) == expected
 
 
 def test_constants_are_upstreams_exact_strings():

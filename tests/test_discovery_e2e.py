@@ -32,6 +32,7 @@ from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 
 OLD, NEW = "apiserver-0", "apiserver-1"
+SCHEDULING = "scheduling.k8s.io"  # 1.35: v1, v1alpha1; 1.36: v1, v1alpha2
 CAT_135, CAT_136 = load_catalog("1.35"), load_catalog("1.36")
 
 
@@ -134,14 +135,43 @@ def test_legacy_group_list_lists_the_peer_only_version(k) -> None:
         {g.name for g in CAT_135.groups + CAT_136.groups if g.name}
 
 
+def test_group_discovery_lists_the_peer_only_version_and_agrees_with_apis(k) -> None:
+    """``kubectl get --raw /apis/<g>`` (legacy APIGroup, answered locally upstream by
+    staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go) lists the 1.36-only
+    version through the 1.35 server, exactly as its entry in the merged ``/apis``."""
+    group = json.loads(k("get", "--raw", f"/apis/{SCHEDULING}").stdout)
+    assert (group.pop("kind"), group.pop("apiVersion")) == ("APIGroup", "v1")
+    assert {"v1", "v1alpha1", "v1alpha2"} <= {v["version"] for v in group["versions"]}
+    listed = json.loads(k("get", "--raw", "/apis").stdout)
+    assert group == next(g for g in listed["groups"] if g["name"] == SCHEDULING)
+    direct = json.loads(k("get", "--raw", f"/apis/{SCHEDULING}",
+                          context=f"{OLD}-direct").stdout)
+    assert "v1alpha2" not in {v["version"] for v in direct["versions"]}
+
+
+@pytest.mark.parametrize("path", ["/apis", f"/apis/{SCHEDULING}"])
 @pytest.mark.parametrize("accept", [KUBECTL_DISCOVERY_ACCEPT, LEGACY_ACCEPT])
 def test_anonymous_gets_the_backends_401_not_discovery(cluster: DemoCluster,
-                                                        accept: str) -> None:
-    answer = request(cluster, OLD, "GET", "/apis", headers={"Accept": accept}, cert=None)
+                                                        accept: str, path: str) -> None:
+    answer = request(cluster, OLD, "GET", path, headers={"Accept": accept}, cert=None)
     assert answer.status == 401, answer
     doc = answer.json()
     assert (doc["kind"], doc["reason"]) == ("Status", "Unauthorized")
     assert b"podgroups" not in answer.body and b"scheduling" not in answer.body
+
+
+@pytest.mark.parametrize("token", [None, "not-a-known-token"])
+def test_unauthenticated_cannot_tell_a_merged_group_from_an_unknown_one(
+        cluster: DemoCluster, token: str | None) -> None:
+    """A refusal for a group only the peer serves is the backend's own, the same as for
+    a group nobody serves: whatever it accepts, the client learns nothing."""
+    for accept in (LEGACY_ACCEPT, "text/html", "application/vnd.kubernetes.protobuf"):
+        answers = [request(cluster, OLD, "GET", path, headers={"Accept": accept}, cert=None,
+                           token=token)
+                   for path in (f"/apis/{SCHEDULING}", "/apis/nothing.example.com")]
+        assert [a.status for a in answers] == [401, 401], answers
+        assert answers[0].body == answers[1].body
+        assert sorted(answers[0].headers.keys()) == sorted(answers[1].headers.keys())
 
 
 def test_unknown_token_gets_401_viewer_token_gets_discovery(cluster: DemoCluster) -> None:

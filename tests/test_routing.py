@@ -240,14 +240,25 @@ TABLE = [
         f"/openapi/v3{SCHED}/v1alpha1", BACKEND, reason="served locally"),
     row("/openapi/v3/apis/<g>/<v> of an unreachable peer is 503", "upgrade, peer down", "GET",
         f"/openapi/v3{SCHED}/v1alpha2", UNAVAILABLE, [B]),
-    row("/apis/<g> for a group only a peer serves", "group on peer", "GET",
-        "/apis/widgets.example.com", PEER, [B]),
-    row("/apis/<g> for a group only an unreachable peer serves is 503", "group on peer, down",
-        "GET", "/apis/widgets.example.com", UNAVAILABLE, [B]),
-    row("/apis/<g> the backend serves stays local though a peer has more versions", "upgrade",
-        "GET", SCHED, BACKEND, reason="served locally"),
+    # /apis/<g>: the merged APIGroup, like /apis (discovery/group.go is local upstream)
+    row("/apis/<g> for a group only a peer serves is merged group discovery", "group on peer",
+        "GET", "/apis/widgets.example.com", DISCOVERY, reason="group discovery"),
+    row("/apis/<g> of an unreachable peer's group is merged too (listed, as in /apis)",
+        "group on peer, down", "GET", "/apis/widgets.example.com", DISCOVERY),
+    row("/apis/<g> the backend serves is merged: a peer has more versions", "upgrade",
+        "GET", SCHED, DISCOVERY, reason="group discovery"),
+    row("/apis/<g>/ with slash is merged group discovery", "upgrade", "GET", f"{SCHED}/",
+        DISCOVERY),
+    row("HEAD /apis/<g> is merged group discovery", "upgrade", "HEAD", SCHED, DISCOVERY),
     row("/apis/<g> nobody serves gets the backend's 404", "upgrade", "GET",
         "/apis/nothing.example.com", BACKEND, reason="served by nobody"),
+    row("/apis/<g> before the first sync goes to the backend", "peer not polled yet", "GET",
+        SCHED, BACKEND, reason="not synced"),
+    row("peer-proxied /apis/<g> goes to the backend", "upgrade", "GET", SCHED, BACKEND,
+        peer_proxied=True, reason="peer-proxied"),
+    row("POST /apis/<g> is not group discovery", "upgrade", "POST", SCHED, BACKEND,
+        reason="served locally"),
+    row("/apis/<g>// is not group discovery", "upgrade", "GET", f"{SCHED}//", BACKEND),
     row("resource of a group only a peer serves goes to the peer", "group on peer", "GET",
         "/apis/widgets.example.com/v1/widgets", PEER, [B]),
     # 5. everything else
@@ -274,6 +285,8 @@ TABLE = [
 @pytest.mark.parametrize(
     "view, method, path, query, peer_proxied, route, peers, reason", TABLE)
 def test_decision(view, method, path, query, peer_proxied, route, peers, reason):
+    """The table; ``/apis/<g>`` rows differ from upstream, which serves it locally
+    (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go)."""
     info = parse_request_info(method, path, query)
     decision = decide(info, VIEWS[view], peer_proxied=peer_proxied, rng=random.Random(0))
     assert (decision.route, decision.peers) == (route, peers), decision

@@ -1,0 +1,230 @@
+"""Merged discovery through the assembled daemon, between fake upstreams: what protobuf
+clients get, and ``/apis/<g>`` agreeing with ``/apis``.
+
+The backend (1.35) serves ``widgets.example.com`` v1 only; the peer (1.36) serves it
+as v2 and v1, and alone serves ``gadgets.example.com``. The backend answers
+``/apis/<g>`` like kube-apiserver: 401 without credentials, 403 for the token
+``nodiscovery``, else its own ``APIGroup`` or 404 (``kube_like_groups``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from aiohttp import web
+from daemon_support import (  # root: the module's PKI fixture
+    Cluster,
+    cluster,
+    ready,
+    root,  # noqa: F401
+)
+
+WIDGETS, GADGETS, NOTHING = "widgets.example.com", "gadgets.example.com", "nothing.example.com"
+KUBECTL = ("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"
+           "application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList,"
+           "application/json")
+PROTOBUF_AGG = ("application/vnd.kubernetes.protobuf;"
+                "g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList")
+NOPEER = "aggregator_discovery_nopeer_requests_total"
+
+
+def _group(name: str, *versions: str) -> dict:
+    return {"metadata": {"name": name}, "versions": [
+        {"version": v, "freshness": "Current", "resources": [
+            {"resource": "widgets", "scope": "Namespaced", "verbs": ["get", "list"],
+             "responseKind": {"group": name, "version": v, "kind": "Widget"}}]}
+        for v in versions]}
+
+
+BACKEND_GROUPS = [_group(WIDGETS, "v1")]
+PEER_GROUPS = [_group(WIDGETS, "v2", "v1"), _group(GADGETS, "v1")]
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+
+
+def kube_like_groups(app: web.Application) -> None:
+    """``/apis/<g>`` as kube-apiserver answers it: authentication and authorization
+    first, then the backend's own APIGroup (widgets v1) or 404."""
+
+    async def api_group(request: web.Request) -> web.Response:
+        audit = {"Audit-Id": str(uuid.uuid4())}
+        token = request.headers.get("Authorization", "")
+        if "X-Remote-User" not in request.headers and token not in (
+                "Bearer good", "Bearer nodiscovery"):
+            return web.json_response(_status(401, "Unauthorized", "Unauthorized"),
+                                     status=401, headers=audit)
+        if token == "Bearer nodiscovery":
+            return web.json_response(_status(
+                403, "Forbidden", f'forbidden: User "nobody" cannot get path "{request.path}"'),
+                status=403, headers=audit)
+        if request.match_info["group"] != WIDGETS:
+            return web.json_response(_status(404, "NotFound", "the server could not find "
+                                                              "the requested resource"),
+                                     status=404, headers=audit)
+        return web.json_response({"kind": "APIGroup", "apiVersion": "v1", "name": WIDGETS,
+                                  "versions": [{"groupVersion": f"{WIDGETS}/v1",
+                                                "version": "v1"}],
+                                  "preferredVersion": {"groupVersion": f"{WIDGETS}/v1",
+                                                       "version": "v1"}}, headers=audit)
+
+    app.router.add_get("/apis/{group}", api_group)
+
+
+def groups_cluster(aiohttp_server, root):
+    return cluster(aiohttp_server, root, backend_routes=kube_like_groups,
+                   backend_groups=BACKEND_GROUPS, peer_groups=PEER_GROUPS)
+
+
+def _backend_saw(c: Cluster, path: str) -> int:
+    return c.seen["backend"].count(("GET", path))
+
+
+# --------------------------------------------------------------------------- protobuf
+
+
+async def test_protobuf_discovery_gets_merged_json_or_406_never_a_partial_view(
+        aiohttp_server, root):
+    """staging/src/k8s.io/apiserver/pkg/endpoints/discovery/aggregated/wrapper.go serves
+    the peer-aggregated document in any encoding, protobuf too. mvproxy encodes JSON
+    only, and the backend's protobuf lacks peer-only APIs: a protobuf clause is skipped
+    for the client's next one (406 if none is left), except ``profile=nopeer``, which
+    asks for the backend's own view anyway (and is counted, as upstream counts it)."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, headers, body = await c.get("/apis", headers={
+            "Accept": f"{PROTOBUF_AGG},application/json"})
+        assert status == 200, body
+        assert headers["Content-Type"] == "application/json"
+        listed = {g["name"] for g in json.loads(body)["groups"]}
+        assert {GADGETS, WIDGETS} <= listed
+
+        status, _, body = await c.get("/apis", headers={"Accept": PROTOBUF_AGG})
+        assert status == 406, body
+        assert json.loads(body)["reason"] == "NotAcceptable"
+
+        before = await c.metric(NOPEER) or 0.0
+        status, _, body = await c.get("/apis", headers={
+            "Accept": f"{PROTOBUF_AGG};profile=nopeer"})
+        assert status == 200, body
+        own = json.loads(body)  # the fake backend's own document (JSON, being a fake)
+        assert GADGETS not in {g["metadata"]["name"] for g in own["items"]}
+        assert await c.metric(NOPEER) == before + 1
+
+
+# --------------------------------------------------------------------------- /apis/<g>
+
+
+async def test_group_lists_versions_only_a_peer_serves_and_agrees_with_apis(
+        aiohttp_server, root):
+    """Upstream answers ``/apis/<g>`` locally
+    (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go), so an old server
+    omits the versions a newer peer adds, though its peer-aggregated ``/apis`` lists
+    them. mvproxy answers it from the merged view: the backend serves widgets v1 only,
+    the peer v2 and v1, and ``/apis/<g>`` lists both, preferring what ``/apis`` prefers."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, headers, body = await c.get(f"/apis/{WIDGETS}")
+        assert status == 200, body
+        assert headers["Content-Type"] == "application/json"
+        assert body.startswith(b'{"kind":"APIGroup","apiVersion":"v1","name":'
+                               b'"widgets.example.com","versions":[')
+        group = json.loads(body)
+        assert [v["version"] for v in group["versions"]] == ["v2", "v1"]
+        assert group["preferredVersion"] == {"groupVersion": f"{WIDGETS}/v2", "version": "v2"}
+
+        _, _, listed = await c.get("/apis", headers={"Accept": "application/json"})
+        entries = {g["name"]: g for g in json.loads(listed)["groups"]}
+        for name in (WIDGETS, GADGETS, "scheduling.k8s.io", "apps"):
+            status, _, body = await c.get(f"/apis/{name}")
+            assert status == 200, (name, body)
+            group = json.loads(body)
+            assert (group.pop("kind"), group.pop("apiVersion")) == ("APIGroup", "v1")
+            assert group == entries[name]
+        assert {"v1", "v1alpha1", "v1alpha2"} <= {
+            v["version"] for v in entries["scheduling.k8s.io"]["versions"]}
+
+
+async def test_group_etag_304_head_trailing_slash_and_406(aiohttp_server, root):
+    """The same caching headers as the other merged answers (ETag, ``Vary: Accept``,
+    ``Cache-Control: public``, exact ``If-None-Match`` → 304); group.go negotiates
+    without conversions, so aggregated-only or protobuf-only Accept is 406 here."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, headers, body = await c.get(f"/apis/{WIDGETS}", headers={"Accept": KUBECTL})
+        assert status == 200, body
+        etag = headers["ETag"]
+        assert (headers["Vary"], headers["Cache-Control"]) == ("Accept", "public")
+        status, again, body = await c.get(f"/apis/{WIDGETS}/", headers={"If-None-Match": etag})
+        assert (status, body, again["ETag"]) == (304, b"", etag)
+        async with c.sessions["admin"].head(f"{c.base}/apis/{WIDGETS}") as head:
+            assert head.status == 200 and head.headers["ETag"] == etag
+            assert await head.read() == b""
+        for accept in ("text/html", PROTOBUF_AGG, "application/vnd.kubernetes.protobuf",
+                       KUBECTL.split(",")[0]):
+            status, headers, body = await c.get(f"/apis/{WIDGETS}", headers={"Accept": accept})
+            assert status == 406, (accept, body)
+            assert (json.loads(body)["kind"], headers["Content-Type"]) == (
+                "Status", "application/json")
+
+
+async def test_group_from_the_backend_when_it_must_be(aiohttp_server, root):
+    """As for the other merged answers: before the first complete sync, for a peer, and
+    for a group nobody lists (its 404 is genuine), the backend answers."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        status, _, body = await c.get(f"/apis/{WIDGETS}")  # the peer's first poll waits
+        assert status == 200 and len(json.loads(body)["versions"]) == 1, body
+        await ready(c)
+        status, _, body = await c.get(f"/apis/{NOTHING}")
+        assert (status, json.loads(body)["reason"]) == (404, "NotFound")
+        status, _, body = await c.get(f"/apis/{WIDGETS}", who="peer",
+                                      headers={"X-Remote-User": "someone"})
+        assert status == 200 and len(json.loads(body)["versions"]) == 1, body
+
+
+async def test_group_probe_asks_the_exact_path_and_a_yes_is_remembered(
+        aiohttp_server, root):
+    """Credentials are checked by asking the backend ``/apis/<g>`` itself; its 404 for a
+    peer-only group is a yes (kube authorizes before routing). A yes is reused briefly."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        good = {"Authorization": "Bearer good"}
+        for _ in range(3):
+            for name in (WIDGETS, GADGETS):
+                status, _, body = await c.get(f"/apis/{name}", who="bearer", headers=good)
+                assert status == 200 and json.loads(body)["kind"] == "APIGroup", body
+        assert _backend_saw(c, f"/apis/{WIDGETS}") == 1
+        assert _backend_saw(c, f"/apis/{GADGETS}") == 1
+
+
+async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
+        aiohttp_server, root):
+    """An attacker without (valid) credentials gets exactly the backend's refusal for a
+    group every server lists, one only a peer lists and one nobody lists, whatever it
+    accepts: it cannot tell which groups peers serve. Refusals are never remembered, and
+    groups nobody lists never reach the memo or the rendered documents, so neither grows
+    with what clients send."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        handler = c.daemon.proxy.discovery
+        for credentials in ({}, {"Authorization": "Bearer bad"},
+                            {"Authorization": "Bearer nodiscovery"}):
+            for accept in (None, "application/json", KUBECTL, "text/html",
+                           "application/vnd.kubernetes.protobuf"):
+                sent = {**credentials, **({"Accept": accept} if accept else {})}
+                answers = []
+                for name in (WIDGETS, GADGETS, NOTHING):
+                    status, headers, body = await c.get(f"/apis/{name}", who="bearer",
+                                                        headers=sent)
+                    assert status in (401, 403), (name, sent, body)
+                    answers.append((status, sorted(headers), body.replace(name.encode(), b"G")))
+                assert answers[0] == answers[1] == answers[2], sent
+        for _ in range(20):
+            await c.get(f"/apis/{uuid.uuid4().hex}.example.com", who="bearer",
+                        headers={"Authorization": "Bearer good"})
+        assert not handler._authorized
+        documents = c.daemon.cache.view()._documents
+        assert not [key for key in documents if isinstance(key, tuple) and key[0] != "/apis"]
