@@ -9,10 +9,10 @@ the cost does not grow with the number of resources.
 2. ``GET``/``HEAD`` ``/api`` or ``/apis`` -> the discovery handler; ``GET /openapi/v3``
    -> the backend's OpenAPI index plus peer-only group/versions (``openapi``).
 3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
-4. ``GET``/``HEAD`` ``/apis/<g>`` of a group some server lists -> the discovery
-   handler (the merged ``APIGroup``, so it agrees with the merged ``/apis``);
-   ``/apis/<g>/<v>``, ``/openapi/v3/apis/<g>/<v>`` (and other methods on ``/apis/<g>``)
-   -> backend if it serves the group (version), else a capable peer.
+4. ``GET /apis/<g>`` of a group some server lists -> the discovery handler (the
+   merged ``APIGroup``, so it agrees with the merged ``/apis``); ``/apis/<g>/<v>``,
+   ``/openapi/v3/apis/<g>/<v>`` (and other forms of ``/apis/<g>``: ``HEAD``, a
+   trailing slash) -> backend if it serves the group (version), else a capable peer.
 5. Resource requests -> backend if it serves group/version/resource *and* the
    subresource; else the capable reachable peers in random order (the first is
    tried, the rest are failover); capable peers that are all unreachable -> 503;
@@ -84,10 +84,15 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
 
 
 def is_group_discovery(info: RequestInfo) -> bool:
-    """``GET``/``HEAD`` ``/apis/<g>`` (or ``/apis/<g>/``): a legacy ``APIGroup`` request."""
+    """``GET /apis/<g>``: a legacy ``APIGroup`` request, as clients send it.
+
+    Only this exact form: the backend is asked the same request first to authorize the
+    client, and kube-apiserver's refusal names the verb and the path, so a ``HEAD`` or
+    ``/apis/<g>/`` answered from a ``GET /apis/<g>`` probe would refuse differently for
+    a group only peers serve than for an unknown one (an anonymous oracle). Those
+    forms take the group/version route instead."""
     group = info.api_group
-    return (bool(group) and info.verb in ("get", "head")
-            and info.path in (f"/apis/{group}", f"/apis/{group}/"))
+    return bool(group) and info.verb == "get" and info.path == f"/apis/{group}"
 
 
 def group_version_path(info: RequestInfo) -> tuple[str, str] | None:

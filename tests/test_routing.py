@@ -247,9 +247,14 @@ TABLE = [
         "group on peer, down", "GET", "/apis/widgets.example.com", DISCOVERY),
     row("/apis/<g> the backend serves is merged: a peer has more versions", "upgrade",
         "GET", SCHED, DISCOVERY, reason="group discovery"),
-    row("/apis/<g>/ with slash is merged group discovery", "upgrade", "GET", f"{SCHED}/",
-        DISCOVERY),
-    row("HEAD /apis/<g> is merged group discovery", "upgrade", "HEAD", SCHED, DISCOVERY),
+    # Only the exact GET: the authorization probe is that request, and a refusal names
+    # the verb and path (an anonymous client must not tell peer-only groups apart).
+    row("/apis/<g>/ with slash takes the group route", "upgrade", "GET", f"{SCHED}/",
+        BACKEND, reason="served locally"),
+    row("HEAD /apis/<g> takes the group route", "upgrade", "HEAD", SCHED, BACKEND,
+        reason="served locally"),
+    row("HEAD /apis/<g> of a group only a peer serves goes to the peer", "group on peer",
+        "HEAD", "/apis/widgets.example.com", PEER, [B]),
     row("/apis/<g> nobody serves gets the backend's 404", "upgrade", "GET",
         "/apis/nothing.example.com", BACKEND, reason="served by nobody"),
     row("/apis/<g> before the first sync goes to the backend", "peer not polled yet", "GET",
