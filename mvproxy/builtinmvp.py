@@ -21,7 +21,7 @@ GATE = "UnknownVersionInteroperabilityProxy"
 DEFAULT_ON_FROM = (1, 36)
 _TRUE = {"1", "t", "true"}
 _FALSE = {"0", "f", "false"}
-_TAG = re.compile(r":v?(\d+)\.(\d+)(?:[.\-+@]|$)")
+_TAG = re.compile(r":v?(\d{1,4})\.(\d{1,4})(?:[.\-+@]|$)")
 
 
 def warnings_for(text: str, source: str) -> list[str]:
@@ -45,22 +45,33 @@ def warnings_for(text: str, source: str) -> list[str]:
 
 
 def _kube_apiserver(text: str, source: str) -> tuple[list[str], str]:
-    """(command + args, image) of the manifest's kube-apiserver container."""
+    """(command + args, image) of the manifest's kube-apiserver container; UsageError
+    for anything that is not a Pod-shaped document."""
     try:
         pod = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{source}: not valid YAML: {exc}") from None
-    containers = (((pod or {}).get("spec") or {}).get("containers") or []
-                  if isinstance(pod, dict) else [])
-    for container in containers:
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise UsageError(f"{source}: not valid YAML: {str(exc)[:300]}") from None
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    containers = spec.get("containers") if isinstance(spec, dict) else None
+    for container in containers if isinstance(containers, list) else ():
         if not isinstance(container, dict):
             continue
-        words = [str(w) for w in (container.get("command") or [])] + [
-            str(w) for w in (container.get("args") or [])]
+        words = _strings(container, "command", source) + _strings(container, "args", source)
         if container.get("name") == "kube-apiserver" or (
                 words and words[0].rsplit("/", 1)[-1] == "kube-apiserver"):
-            return words, str(container.get("image") or "")
+            image = container.get("image")
+            return words, image if isinstance(image, str) else ""
     raise UsageError(f"{source}: no kube-apiserver container in spec.containers")
+
+
+def _strings(container: dict, key: str, source: str) -> list[str]:
+    """A container's ``command`` or ``args``: a list of strings, or absent."""
+    value = container.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+        raise UsageError(f"{source}: spec.containers[].{key} must be a list of strings")
+    return value
 
 
 def _values(args: Iterable[str], flag: str) -> list[str]:

@@ -45,8 +45,10 @@ def manifest(*flags: str, image: str = "registry.k8s.io/kube-apiserver:v1.36.0",
               "--feature-gates=UnknownVersionInteroperabilityProxy=false"), False),
     (manifest("--peer-ca-file=/pki/ca.crt", image="example.com/apiserver@sha256:ab"), True),
     (manifest("--peer-ca-file="), False),
+    (manifest("--peer-ca-file=/pki/ca.crt", image="k8s:v" + "1" * 5000 + ".36"), True),
 ], ids=["no peer CA", "peer CA on 1.36", "separate value", "in args", "1.35 default off",
-        "1.35 gate on", "gate off", "unknown version", "empty value"])
+        "1.35 gate on", "gate off", "unknown version", "empty value",
+        "absurd version: unknown"])
 def test_builtin_peer_proxy_is_detected(text, warns):
     found = warnings_for(text, "kube-apiserver.yaml")
     assert bool(found) is warns, found
@@ -59,7 +61,15 @@ def test_the_sidecar_example_leaves_only_mvproxy_proxying():
     assert warnings_for(SIDECAR.read_text(), str(SIDECAR)) == []
 
 
-@pytest.mark.parametrize("text", ["{", "kind: Pod\nspec: {containers: [{name: etcd}]}\n", "7"])
+@pytest.mark.parametrize("text", [
+    "{", "kind: Pod\nspec: {containers: [{name: etcd}]}\n", "7", "spec: [1]\n",
+    "spec: hello\n", "spec: {containers: 5}\n",
+    "spec: {containers: [{name: kube-apiserver, command: 5}]}\n",
+    "spec: {containers: [{name: kube-apiserver, args: [true]}]}\n",
+    "spec: " + "[" * 5000 + "]" * 5000 + "\n",
+], ids=["not YAML", "no kube-apiserver", "a number", "spec a list", "spec a string",
+        "containers a number", "command a number", "args not strings", "nested deeply"])
 def test_a_manifest_without_a_kube_apiserver_is_a_usage_error(text):
+    """A clear error (exit 2 from the CLI), never a traceback."""
     with pytest.raises(UsageError, match="kube-apiserver.yaml"):
         warnings_for(text, "kube-apiserver.yaml")

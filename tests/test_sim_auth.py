@@ -431,6 +431,7 @@ def test_sim_with_unwritable_audit_log_exits_2_with_one_message(
     ("", "garbage", "127.0.0.1", ["127.0.0.1"]),
     ("127.000.000.002", "", "::ffff:127.0.0.1", ["127.0.0.2", "127.0.0.1"]),
     ("fe80::1%eth0, ::1", "", "::1", ["::1"]),
+    ("1" * 5000 + ".1.1.1", "", "127.0.0.1", ["127.0.0.1"]),
 ])
 def test_source_ips_as_kube_apiserver_computes_them(forwarded_for, real_ip, remote, expected):
     """kube's ``SourceIPs`` (staging/src/k8s.io/apimachinery/pkg/util/net/http.go): valid

@@ -371,7 +371,7 @@ def parse_ip(text: str) -> str | None:
     if "%" in text:
         return None
     parts = text.split(".")
-    if len(parts) == 4 and all(p.isdigit() and p.isascii() for p in parts):
+    if len(parts) == 4 and all(p.isdigit() and p.isascii() and len(p) <= 3 for p in parts):
         text = ".".join(str(int(p)) for p in parts)  # ParseIPSloppy: 010 is ten
     try:
         address = ipaddress.ip_address(text)
