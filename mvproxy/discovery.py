@@ -552,14 +552,23 @@ class Negotiated:
     kind: str
     #: Exact Content-Type to send (no ``profile``); "" unless aggregated or legacy.
     content_type: str = ""
-    #: For aggregated: API_VERSION_V2 or API_VERSION_V2BETA1, ready for render_aggregated.
+    #: For aggregated: API_VERSION_V2 or API_VERSION_V2BETA1, ready for render_aggregated
+    #: (also set for an aggregated v2 protobuf clause with ``profile=nopeer``).
     api_version: str = ""
     #: The client asked for one server's own view (``profile=nopeer``).
     nopeer: bool = False
 
+    @property
+    def counts_as_nopeer(self) -> bool:
+        """Whether upstream counts it in ``aggregator_discovery_nopeer_requests_total``:
+        ``profile=nopeer`` on an aggregated v2 clause, JSON or protobuf (wrapper.go)."""
+        return self.nopeer and self.api_version == API_VERSION_V2
+
 
 _LEGACY = Negotiated("legacy", "application/json")
 _BACKEND = Negotiated("backend")
+_NOPEER_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2, nopeer=True)
+_BACKEND_NOPEER_V2 = Negotiated("backend", api_version=API_VERSION_V2, nopeer=True)
 _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
@@ -610,6 +619,8 @@ def _outcome(media_type: str, params: Mapping[str, str]) -> Negotiated | None:
     if media_type in ("*/*", "application/*"):
         return _LEGACY
     if media_type == _PROTOBUF:
+        if params.get("profile") == "nopeer" and _json_outcome(params) == _NOPEER_V2:
+            return _BACKEND_NOPEER_V2  # still the backend's; counted as upstream counts it
         return _BACKEND
     return None
 

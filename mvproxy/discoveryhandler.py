@@ -100,7 +100,7 @@ class DiscoveryHandler:
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
         headers = exchange.headers
         negotiated = discovery.negotiate(headers.get("Accept"))
-        if negotiated.nopeer:
+        if negotiated.counts_as_nopeer:  # every one, peers' polls included, as upstream
             self.metrics.nopeer_requests.inc()
         if exchange.downstream.is_peer or negotiated.nopeer or negotiated.kind == "backend":
             await self._from_backend(exchange)

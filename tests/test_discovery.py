@@ -353,6 +353,7 @@ MERGED_V2BETA1 = Negotiated("aggregated", AGGREGATED_V2BETA1, API_VERSION_V2BETA
 NOPEER_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2, nopeer=True)
 LEGACY = Negotiated("legacy", "application/json")
 BACKEND = Negotiated("backend")
+BACKEND_NOPEER_V2 = Negotiated("backend", api_version=API_VERSION_V2, nopeer=True)
 NOT_ACCEPTABLE = Negotiated("not_acceptable")
 
 NEGOTIATION = [
@@ -380,6 +381,8 @@ NEGOTIATION = [
                  id="aggregated protobuf first goes to the backend"),
     pytest.param("application/vnd.kubernetes.protobuf, */*", BACKEND,
                  id="plain protobuf first goes to the backend"),
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer", BACKEND_NOPEER_V2,
+                 id="aggregated protobuf nopeer goes to the backend, marked nopeer"),
     pytest.param(f"application/json,{PROTOBUF_AGG}", LEGACY, id="JSON before protobuf stays JSON"),
     pytest.param(f"application/json;q=0.5,{AGG_V2}", MERGED_V2, id="higher q wins"),
     pytest.param(f"{AGG_V2};q=0,application/json", LEGACY, id="q=0 excludes a clause"),
@@ -399,6 +402,17 @@ NEGOTIATION = [
 @pytest.mark.parametrize(("accept", "expected"), NEGOTIATION)
 def test_negotiate(accept, expected):
     assert negotiate(accept) == expected
+
+
+def test_only_aggregated_v2_nopeer_counts_as_upstream_counts_it():
+    """Upstream's wrapper.go counts profile=nopeer on a v2 aggregated clause, JSON or
+    protobuf (aggregator_discovery_nopeer_requests_total in staging/src/k8s.io/
+    apiserver/pkg/endpoints/discovery/aggregated/metrics.go); v2beta1 is not
+    aggregated discovery there since 1.35."""
+    assert NOPEER_V2.counts_as_nopeer and BACKEND_NOPEER_V2.counts_as_nopeer
+    v2beta1 = negotiate(f"{KUBECTL_127.split(',')[0]};profile=nopeer")
+    assert v2beta1.nopeer and not v2beta1.counts_as_nopeer
+    assert not any(n.counts_as_nopeer for n in (MERGED_V2, LEGACY, BACKEND, NOT_ACCEPTABLE))
 
 
 def test_constants_are_upstreams_exact_strings():
