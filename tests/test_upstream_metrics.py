@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from daemon_support import (  # root: the module's PKI fixture
+    PEER_ID,
     PODGROUPS,
     PODGROUPS_GVR,
     WAIT,
@@ -24,8 +26,29 @@ from daemon_support import (  # root: the module's PKI fixture
     ready,
     root,  # noqa: F401
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from mvproxy.discovery import AGGREGATED_V2, AGGREGATED_V2BETA1, PEER_ACCEPT
+
+GVR = ("group", "version", "resource")
+SAME = "same"
+UPSTREAM_136 = (
+    # (name, type, label names, the values upstream gives ``type``, what mvproxy exports)
+    ("apiserver_rerouted_request_total", "counter", {"code", *GVR}, None, SAME),
+    ("apiserver_peer_proxy_errors_total", "counter", {"type", *GVR},
+     {"endpoint_resolution", "proxy_transport"}, SAME),
+    ("apiserver_peer_discovery_sync_errors_total", "counter", {"type"},
+     {"lease_list", "hostport_resolution", "fetch_discovery"}, SAME),
+    ("aggregator_discovery_peer_aggregated_cache_hits_total", "counter", set(), None, SAME),
+    ("aggregator_discovery_peer_aggregated_cache_misses_total", "counter", set(), None, SAME),
+    ("aggregator_discovery_nopeer_requests_total", "counter", set(), None, SAME),
+    ("aggregator_discovery_aggregation_count_total", "counter", set(), None,
+     "not exported: it counts regenerations of the local aggregated document; mvproxy "
+     "regenerates none (the backend's own /metrics has it; merges are cache misses)"),
+)
+"""Upstream 1.36's MVP metrics and every deliberate difference in what mvproxy exports;
+README.md ("Upstream's MVP metrics, compared") also says when each one moves."""
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 NOPEER_V2 = AGGREGATED_V2 + ";profile=nopeer"
 PROTOBUF_NOPEER_V2 = NOPEER_V2.replace("application/json", "application/vnd.kubernetes.protobuf")
@@ -58,6 +81,59 @@ def peer_routes(app: web.Application) -> None:
     app.router.add_get("/apis/scheduling.k8s.io/v1alpha2/podgroups", watch)
     app.router.add_post(PODGROUPS, slow_create)
     app.router.add_get(PODGROUPS + "/cut", cut)
+
+
+def exported(text: str) -> dict[str, tuple[str, set[str], list[dict[str, str]]]]:
+    """Sample name -> (type, label names, label sets) of one exposition."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + "_total" if family.type == "counter" else family.name
+        labels = [sample.labels for sample in family.samples]
+        found[name] = (family.type, {k for sample in labels for k in sample}, labels)
+    return found
+
+
+async def test_exported_names_types_and_labels_match_upstream_136(aiohttp_server, root):
+    """Every metric of upstream's metrics.go files (module docstring) is exported with
+    its name, type and label names, ``type`` only takes upstream's values, and every
+    difference is stated in ``UPSTREAM_136``. Each labelled metric gets a sample first."""
+    async with cluster(aiohttp_server, root, staleAfter="300ms") as c:
+        await ready(c)
+        assert (await c.get(PODGROUPS))[0] == 200
+        assert (await c.get("/apis", headers={"Accept": AGGREGATED_V2}))[0] == 200
+        assert (await c.get("/apis", headers={"Accept": NOPEER_V2}))[0] == 200
+        c.health["mode"] = "garbage"  # the peer's discovery breaks: counted, then unreachable
+
+        async def peer_unreachable() -> bool:
+            return not (await c.debug())["peers"][PEER_ID]["reachable"]
+
+        await c.until(peer_unreachable, "the peer to be marked unreachable")
+        assert (await c.get(PODGROUPS))[0] == 503  # capable peer unreachable
+
+        _, text = await c.admin_get("/metrics")
+        found = exported(text)
+        for name, kind, labels, type_values, exports in UPSTREAM_136:
+            if exports != SAME:
+                assert exports.startswith("not exported") and name not in found, name
+                continue
+            assert name in found, name
+            got_kind, got_labels, samples = found[name]
+            assert got_kind == kind, name
+            assert samples, f"{name}: no sample to read its labels from"
+            assert got_labels == labels, name
+            if type_values is not None:
+                assert {sample["type"] for sample in samples} <= type_values, name
+
+
+def test_the_readme_compares_every_upstream_metric():
+    """README's table has a row per metric of upstream's peerproxy/metrics/metrics.go and
+    discovery/aggregated/metrics.go, with its type and any difference in export."""
+    readme = README.read_text()
+    table = readme[readme.index("### Upstream's MVP metrics, compared"):]
+    for name, kind, _, _, exports in UPSTREAM_136:
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f"| {kind} |" in row, name
+        assert ("| not exported" in row) == (exports != SAME), name
 
 
 async def test_every_nopeer_discovery_request_is_counted_once(aiohttp_server, root):
