@@ -560,14 +560,20 @@ class Negotiated:
     kind: str
     #: Exact Content-Type to send (no ``profile``); "" unless aggregated or legacy.
     content_type: str = ""
-    #: For aggregated: API_VERSION_V2 or API_VERSION_V2BETA1, ready for render_aggregated.
+    #: For aggregated: API_VERSION_V2 or API_VERSION_V2BETA1, ready for render_aggregated
+    #: (also set for an aggregated v2 protobuf clause with ``profile=nopeer``).
     api_version: str = ""
     #: The client asked for one server's own view (``profile=nopeer``).
     nopeer: bool = False
 
+    @property
+    def counts_as_nopeer(self) -> bool:
+        """Whether upstream counts it in ``aggregator_discovery_nopeer_requests_total``:
+        ``profile=nopeer`` on an aggregated v2 clause, JSON or protobuf (wrapper.go)."""
+        return self.nopeer and self.api_version == API_VERSION_V2
+
 
 _LEGACY = Negotiated("legacy", "application/json")
-_BACKEND_NOPEER = Negotiated("backend", nopeer=True)
 _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
@@ -622,7 +628,10 @@ def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool) -> Ne
     outcome = _aggregated_outcome(params) if aggregated else None
     if media_type == _PROTOBUF and outcome is not None:
         # mvproxy cannot encode protobuf; only the backend's own view may be asked so.
-        return _BACKEND_NOPEER if outcome.nopeer else None
+        if not outcome.nopeer:
+            return None
+        # Still counted as upstream counts it (a v2 clause), whatever the encoding.
+        return Negotiated("backend", api_version=outcome.api_version, nopeer=True)
     return outcome
 
 

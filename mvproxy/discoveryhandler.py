@@ -104,7 +104,7 @@ class DiscoveryHandler:
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
         path = _probe_path(info)
         negotiated = _negotiate(exchange, path)
-        if negotiated.nopeer:
+        if negotiated.counts_as_nopeer:  # every one, peers' polls included, as upstream
             self.metrics.nopeer_requests.inc()
         if exchange.downstream.is_peer or negotiated.nopeer:  # "backend" is nopeer too
             await self._from_backend(exchange)

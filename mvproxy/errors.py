@@ -72,6 +72,11 @@ class UpstreamConnectError(UpstreamError):
     so the request may safely go to another capable peer."""
 
 
+class UpstreamUnresolved(UpstreamConnectError):
+    """The upstream's host name did not resolve to an address: its endpoint is bad
+    (upstream's ``hostport_resolution``), not the fetch."""
+
+
 class UpstreamTimeout(UpstreamError):
     """The upstream accepted the request but did not answer in time."""
 

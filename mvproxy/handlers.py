@@ -85,7 +85,7 @@ class Proxy:
         head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority)
         upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
         return self._inline(exchange, upstream, head, routing.BACKEND, long_running,
-                            succeeded=None,
+                            ended=None,
                             failed=lambda failure: self._recover(exchange, upstream, failure,
                                                                  long_running))
 
@@ -103,23 +103,23 @@ class Proxy:
         gvr = _gvr_labels(info)
         return self._inline(
             exchange, first, head, routing.PEER, long_running,
-            succeeded=lambda: self.metrics.rerouted_requests.labels(
-                str(exchange.status), *gvr).inc(),
+            ended=lambda: self._rerouted(exchange, gvr),
             failed=lambda failure: self._peers_after(exchange, info, candidates, failure,
                                                      audit_id, long_running))
 
     def _inline(self, exchange: Exchange, upstream: Upstream, head: bytes, route: str,
-                long_running: bool, *, succeeded: Callable[[], None] | None,
+                long_running: bool, *, ended: Callable[[], None] | None,
                 failed: Callable[[object], Coroutine]) -> bool:
-        """Start ``forward_now``; on success ``succeeded()``, on a failure before any
-        answer continue in the coroutine ``failed(failure)``. False: nothing started."""
+        """Start ``forward_now``; when the answer went out, was cut or the client left,
+        ``ended()``; on a failure before any answer continue in the coroutine
+        ``failed(failure)``. False: nothing started."""
         inflight, duration = self._route_metrics(route)
         started = time.perf_counter()
 
         def finished(failure, cancelled: bool) -> None:
             if failure is None:
-                if succeeded is not None and not cancelled:
-                    succeeded()
+                if ended is not None:
+                    ended()
                 self._done(inflight, duration, started, long_running)
                 exchange.conn.finish(exchange, cancelled=cancelled)
             else:
@@ -260,15 +260,26 @@ class Proxy:
         ``last``: an earlier attempt's failure (from ``_peer_now``)."""
         upstreams = self.peers()
         gvr = _gvr_labels(info)
+        if last is not None and not last.retryable:
+            candidates = ()
+        targets = [(peer_id, upstreams[peer_id]) for peer_id in candidates
+                   if peer_id in upstreams]
+        if not targets and last is None:  # membership dropped every candidate
+            reply(exchange, self._unavailable(info, routing.Decision(
+                routing.UNAVAILABLE, "", candidates)))
+            return
         # One Audit-ID for every attempt: the peers' audit logs show one request.
         if headers is None:
             headers = forwarding.headers_for(exchange, to_peer=True)
-        if last is not None and not last.retryable:
-            candidates = ()
-        for peer_id in candidates:
-            upstream = upstreams.get(peer_id)
-            if upstream is None:
-                continue
+        try:
+            await self._try_peers(exchange, targets, headers, long_running, last, gvr)
+        finally:  # however it ended: answered, cut, failed, or the client left
+            self._rerouted(exchange, gvr)
+
+    async def _try_peers(self, exchange: Exchange, targets: list[tuple[str, Upstream]],
+                         headers, long_running: bool, last: ForwardError | None,
+                         gvr: tuple[str, str, str]) -> None:
+        for peer_id, upstream in targets:
             if last is not None:
                 self.metrics.peer_failovers.inc()
             try:
@@ -283,17 +294,19 @@ class Proxy:
                 if not exc.retryable:
                     break
                 continue
-            self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
             return
-        if last is None:  # membership dropped every candidate since the decision
-            reply(exchange, self._unavailable(info, routing.Decision(
-                routing.UNAVAILABLE, "", candidates)))
-            return
-        answer = upstream_failure(last.cause, "every capable peer", self.retry_after,
-                                  idempotent=exchange.method in forwarding.IDEMPOTENT)
-        self.metrics.rerouted_requests.labels(str(answer.status), *gvr).inc()
+        assert last is not None
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        reply(exchange, answer)
+        reply(exchange, upstream_failure(last.cause, "every capable peer", self.retry_after,
+                                         idempotent=exchange.method in forwarding.IDEMPOTENT))
+
+    def _rerouted(self, exchange: Exchange, gvr: tuple[str, str, str]) -> None:
+        """Count a request sent to peers once, when it ends, by the status line the
+        client received (also when the body was then cut or the client left). One that
+        received none (left, or shutdown, before any answer) is not counted: upstream
+        would count the 503 it writes to a client already gone."""
+        if exchange.started:
+            self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
 
     async def _openapi_index(self, exchange: Exchange, downstream: Downstream) -> None:
         """The backend's OpenAPI v3 index, with entries for peer-only group/versions."""

@@ -687,6 +687,7 @@ class DownstreamConnection(FlowControl):
                 ("Connection", "close")]) + body)
             if active is not None:  # after the write: a callback handler ends at once
                 active.started = active.finished = True
+                active.status = refusal.status  # what the client got, for metrics
                 self.cancel()
         self.close()
 

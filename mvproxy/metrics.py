@@ -43,8 +43,13 @@ class Metrics:
             ("type", *GVR), registry=r)
         self.discovery_sync_errors = Counter(
             "apiserver_peer_discovery_sync_errors_total",
-            "Failed discovery polls of a peer or the backend, by kind of failure.",
+            "Failed discovery fetches from a peer, by upstream's type: hostport_resolution "
+            "(its address did not resolve) or fetch_discovery (once per failed /api or /apis).",
             ("type",), registry=r)
+        self.poll_errors = Counter(
+            "mvproxy_discovery_poll_errors_total",
+            "Failed /api or /apis fetches from the backend or a peer, by server and reason.",
+            ("server", "reason"), registry=r)
         self.aggregated_cache_hits = Counter(
             "aggregator_discovery_peer_aggregated_cache_hits_total",
             "Merged discovery documents served from the memoised bytes.", registry=r)

@@ -2,9 +2,18 @@
 
 One task per server, so a slow peer never delays another; each poll has its own
 timeout and sends ``If-None-Match`` so an unchanged document costs a 304. Results
-go into the ``DiscoveryCache``. Failures keep the last good snapshot; they are
-logged and counted once per change of state (ok -> failing, or a different kind of
-failure), not once per poll. Nothing raises out of the loops.
+go into the ``DiscoveryCache``. Failures keep the last good snapshot. Every failed
+fetch is counted, so ``rate()`` is honest; it is logged once per change of state
+(ok -> failing, or a different reason), not once per poll. Nothing raises out of the
+loops.
+
+Two counters (upstream-mvp.md §4.3, §6): ``mvproxy_discovery_poll_errors_total
+{server,reason}`` for every failed fetch of any server, by mvproxy's own reason; and
+upstream's ``apiserver_peer_discovery_sync_errors_total{type}`` for peers only (upstream
+polls only peers; the backend's failures show in the first counter and in readiness):
+``hostport_resolution`` once per poll whose peer address did not resolve, else
+``fetch_discovery`` once per failed ``/api`` or ``/apis`` fetch, as upstream.
+``lease_list`` never moves: membership is static, there is no Lease list to fail.
 """
 
 from __future__ import annotations
@@ -19,7 +28,13 @@ from dataclasses import dataclass, field
 from mvproxy import __version__, discovery
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discovery import DiscoveryFormatError, Snapshot
-from mvproxy.errors import UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnresolved,
+)
 from mvproxy.identity import PEER_PROXIED
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
@@ -56,15 +71,34 @@ class _ServerPoll:
     failure: str | None = None
 
 
-def failure_type(exc: Exception) -> str:
-    """A bounded label for a failed poll."""
-    if isinstance(exc, DiscoveryFormatError):
-        return "invalid_discovery"
-    if isinstance(exc, UpstreamTimeout):
-        return "timeout"
-    if isinstance(exc, BodyTooLarge):
-        return "oversized_discovery"
-    return "fetch_discovery"
+class UnexpectedStatus(UpstreamProtocolError):
+    """A discovery fetch answered neither 200 nor (when asked) 304."""
+
+
+_REASONS = (  # most specific first: BodyTooLarge and UnexpectedStatus are protocol errors
+    (UpstreamUnresolved, "name_resolution"), (UpstreamConnectError, "connect"),
+    (UpstreamTimeout, "timeout"), (BodyTooLarge, "oversized_discovery"),
+    (UnexpectedStatus, "http_status"), (DiscoveryFormatError, "invalid_discovery"),
+    (UpstreamError, "broken_response"))
+REASONS = frozenset(reason for _, reason in _REASONS) | {"internal"}
+"""Every value of ``mvproxy_discovery_poll_errors_total{reason}``."""
+HOSTPORT_RESOLUTION, FETCH_DISCOVERY = "hostport_resolution", "fetch_discovery"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A bounded label for one failed fetch; ``internal`` is an mvproxy bug."""
+    for kind, reason in _REASONS:
+        if isinstance(exc, kind):
+            return reason
+    return "internal"
+
+
+def sync_error_types(reasons: list[str]) -> list[str]:
+    """Upstream's ``type`` values for one failed poll of a peer: its address not
+    resolving is one ``hostport_resolution`` (upstream resolves once, then fetches);
+    every other failed fetch is a ``fetch_discovery``."""
+    fetches = [FETCH_DISCOVERY for reason in reasons if reason != "name_resolution"]
+    return fetches if len(fetches) == len(reasons) else [HOSTPORT_RESOLUTION, *fetches]
 
 
 class Poller:
@@ -146,30 +180,28 @@ class Poller:
         """Fetch both documents once and record the outcome; never raises."""
         started = time.perf_counter()
         try:
-            snapshot = await self._fetch_snapshot(state)
-        except (UpstreamError, DiscoveryFormatError) as exc:
-            self._failed(server_id, state, exc)
+            results = await asyncio.gather(*(self._fetch(state, p) for p in PATHS),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            for error in errors:
+                if not isinstance(error, Exception):
+                    raise error  # cancelled: not a failure of the server
+            if not errors:
+                self._succeeded(server_id, state, self._snapshot(state, results))
         except Exception as exc:  # a bug here must not end this server's polling
-            if state.failure != failure_type(exc):  # the traceback once, not every poll
-                log.exception("discovery poll raised unexpectedly", extra=kv(server=server_id))
-            self._failed(server_id, state, exc)
-        else:
-            self._succeeded(server_id, state, snapshot)
+            errors = [exc]
         finally:
             self.metrics.poll_duration.labels(server_id).observe(time.perf_counter() - started)
+        if errors:
+            self._failed(server_id, state, errors)
 
-    async def _fetch_snapshot(self, state: _ServerPoll) -> Snapshot:
+    def _snapshot(self, state: _ServerPoll, results: list) -> Snapshot:
         """The server's snapshot: the same object as last time when both documents are
         unchanged (304), so the cache sees no change and keeps its generation.
 
         Both fetches run at once, under one timeout each; the state is updated only
         when both succeed, so a snapshot never mixes two polls' halves.
         """
-        results = await asyncio.gather(*(self._fetch(state, p) for p in PATHS),
-                                       return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
         if all(result is None for result in results) and state.snapshot is not None:
             return state.snapshot
         for path, result in zip(PATHS, results):
@@ -194,23 +226,29 @@ class Poller:
         if fetched.status == 304 and known:
             return None
         if fetched.status != 200:
-            raise UpstreamProtocolError(state.upstream.name,
-                                        f"GET {path} answered HTTP {fetched.status}")
+            raise UnexpectedStatus(state.upstream.name,
+                                   f"GET {path} answered HTTP {fetched.status}")
         groups = discovery.parse_aggregated(fetched.body, max_bytes=self.settings.max_bytes)
         _check_prefix(path, groups)
         return groups, fetched.headers.get("ETag", "")
 
-    def _failed(self, server_id: str, state: _ServerPoll, exc: Exception) -> None:
-        kind = failure_type(exc)
+    def _failed(self, server_id: str, state: _ServerPoll, errors: list[Exception]) -> None:
+        """Count every failed fetch; log once per change of reason."""
+        reasons = [failure_reason(exc) for exc in errors]
+        for reason in reasons:
+            self.metrics.poll_errors.labels(server_id, reason).inc()
+        if state.upstream.is_peer:
+            for sync_type in sync_error_types(reasons):
+                self.metrics.discovery_sync_errors.labels(sync_type).inc()
         was_reachable = self._reachable(server_id)
         self.cache.record_failure(server_id)
+        kind, exc = reasons[0], errors[0]
         if kind != state.failure:
             state.failure = kind
-            self.metrics.discovery_sync_errors.labels(kind).inc()
             known = self.cache.state(server_id)
-            log.warning("discovery poll failed", extra=kv(
-                server=server_id, type=kind, error=str(exc)[:300],
-                keeping_last_snapshot=bool(known and known.snapshot is not None)))
+            log.warning("discovery poll failed", exc_info=exc if kind == "internal" else None,
+                        extra=kv(server=server_id, reason=kind, error=str(exc)[:300],
+                                 keeping_last_snapshot=bool(known and known.snapshot is not None)))
         became_unreachable = was_reachable and not self._reachable(server_id)
         if became_unreachable:
             log.warning("server became unreachable; its versions are now served as Stale",

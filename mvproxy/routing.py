@@ -5,9 +5,12 @@
 under a faster byte-moving layer unchanged. Every lookup is a dict or set probe:
 the cost does not grow with the number of resources.
 
-1. From an authenticated peer with ``x-kubernetes-peer-proxied: true`` -> backend.
-2. ``GET``/``HEAD`` ``/api`` or ``/apis`` -> the discovery handler; ``GET /openapi/v3``
-   -> the backend's OpenAPI index plus peer-only group/versions (``openapi``).
+1. ``GET``/``HEAD`` ``/api`` or ``/apis`` -> the discovery handler, from peers too (it
+   answers them from the backend): as upstream's discovery wrapper, it sees and counts
+   every discovery request, a peer's ``profile=nopeer`` poll included.
+2. From an authenticated peer with ``x-kubernetes-peer-proxied: true`` -> backend;
+   ``GET /openapi/v3`` -> the backend's OpenAPI index plus peer-only group/versions
+   (``openapi``).
 3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
 4. ``GET /apis/<g>`` of a group some server lists -> the discovery handler (the
    merged ``APIGroup``, so it agrees with the merged ``/apis``); ``/apis/<g>/<v>``,
@@ -59,10 +62,10 @@ _OPENAPI_V3 = ("openapi", "v3", "apis")
 def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
            rng: random.Random | None = None) -> Decision:
     """The route for one request (see the module docstring for the order)."""
-    if peer_proxied:
-        return TO_BACKEND_PEER_PROXIED
     if info.path in _DISCOVERY_PATHS and info.verb in ("get", "head"):
         return TO_DISCOVERY
+    if peer_proxied:
+        return TO_BACKEND_PEER_PROXIED
     if info.path in _OPENAPI_INDEX_PATHS and info.verb == "get":
         return TO_OPENAPI_INDEX
     local = view.backend.snapshot

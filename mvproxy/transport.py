@@ -44,6 +44,7 @@ from mvproxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
+    UpstreamUnresolved,
 )
 from mvproxy.flow import FlowControl
 from mvproxy.requestcheck import target_problem
@@ -376,6 +377,8 @@ class Pool:
                     ssl_handshake_timeout=self.connect_timeout)
         except TimeoutError as exc:
             raise UpstreamConnectError(upstream.name, "connect timed out") from exc
+        except socket.gaierror as exc:
+            raise UpstreamUnresolved(upstream.name, f"cannot resolve: {exc}") from exc
         except (OSError, ssl.SSLError) as exc:
             raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
         return conn

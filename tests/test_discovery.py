@@ -392,7 +392,7 @@ MERGED_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2)
 MERGED_V2BETA1 = Negotiated("aggregated", AGGREGATED_V2BETA1, API_VERSION_V2BETA1)
 NOPEER_V2 = Negotiated("aggregated", AGGREGATED_V2, API_VERSION_V2, nopeer=True)
 LEGACY = Negotiated("legacy", "application/json")
-BACKEND_NOPEER = Negotiated("backend", nopeer=True)
+BACKEND_NOPEER_V2 = Negotiated("backend", api_version=API_VERSION_V2, nopeer=True)
 NOT_ACCEPTABLE = Negotiated("not_acceptable")
 
 NEGOTIATION = [
@@ -425,8 +425,10 @@ NEGOTIATION = [
     pytest.param(PROTOBUF_AGG, NOT_ACCEPTABLE, id="aggregated protobuf alone is not acceptable"),
     pytest.param("application/vnd.kubernetes.protobuf", NOT_ACCEPTABLE,
                  id="plain protobuf alone is not acceptable"),
-    pytest.param(f"{PROTOBUF_AGG};profile=nopeer,application/json", BACKEND_NOPEER,
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer,application/json", BACKEND_NOPEER_V2,
                  id="nopeer protobuf goes to the backend"),
+    pytest.param(f"{PROTOBUF_AGG};profile=nopeer", BACKEND_NOPEER_V2,
+                 id="aggregated protobuf nopeer alone goes to the backend, marked nopeer"),
     pytest.param("application/vnd.kubernetes.protobuf;profile=nopeer,application/json", LEGACY,
                  id="nopeer without aggregation is plain protobuf, skipped"),
     pytest.param(f"application/json,{PROTOBUF_AGG}", LEGACY, id="JSON before protobuf stays JSON"),
@@ -474,6 +476,17 @@ def test_negotiate_group(accept, expected):
     endpoints/discovery/group.go writes APIGroup with the default endpoint restrictions):
     only the legacy ``APIGroup``, merged."""
     assert negotiate(accept, aggregated=False) == expected
+
+
+def test_only_aggregated_v2_nopeer_counts_as_upstream_counts_it():
+    """Upstream's wrapper.go counts profile=nopeer on a v2 aggregated clause, JSON or
+    protobuf (aggregator_discovery_nopeer_requests_total in staging/src/k8s.io/
+    apiserver/pkg/endpoints/discovery/aggregated/metrics.go); v2beta1 is not
+    aggregated discovery there since 1.35."""
+    assert NOPEER_V2.counts_as_nopeer and BACKEND_NOPEER_V2.counts_as_nopeer
+    v2beta1 = negotiate(f"{KUBECTL_127.split(',')[0]};profile=nopeer")
+    assert v2beta1.nopeer and not v2beta1.counts_as_nopeer
+    assert not any(n.counts_as_nopeer for n in (MERGED_V2, LEGACY, NOT_ACCEPTABLE))
 
 
 def test_constants_are_upstreams_exact_strings():

@@ -16,6 +16,8 @@ def exposition(requests: int, inflight: int, peer_up: float, age: float) -> str:
     for _ in range(requests):
         metrics.request_duration.labels("backend").observe(0.002)
         metrics.rerouted_requests.labels("200", "scheduling.k8s.io", "v1alpha2", "podgroups").inc()
+        metrics.poll_errors.labels("b", "timeout").inc()
+        metrics.discovery_sync_errors.labels("fetch_discovery").inc()
     metrics.inflight_requests.labels("backend").set(inflight)
     metrics.watch_peers(lambda: [("b", bool(peer_up), age)])
     return generate_latest(metrics.registry).decode()
@@ -38,6 +40,11 @@ def test_counters_histograms_and_counting_gauges_add_up():
     assert merged[("mvproxy_request_duration_seconds_bucket",
                    (("le", "0.0025"), ("route", "backend")))] == 7
     assert merged[("mvproxy_inflight_requests", (("route", "backend"),))] == 3
+    # Each worker polls discovery itself: their failed polls add up too.
+    assert merged[("mvproxy_discovery_poll_errors_total",
+                   (("reason", "timeout"), ("server", "b")))] == 7
+    assert merged[("apiserver_peer_discovery_sync_errors_total",
+                   (("type", "fetch_discovery"),))] == 7
 
 
 def test_a_shared_view_is_not_added_up():

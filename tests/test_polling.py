@@ -13,6 +13,7 @@ import asyncio
 import copy
 import json
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,15 @@ from mvproxy.cache import DiscoveryCache
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
 from mvproxy.metrics import Metrics
-from mvproxy.polling import POLL_IDENTITY, PollSettings, Poller, _ServerPoll, failure_type
+from mvproxy.polling import (
+    POLL_IDENTITY,
+    REASONS,
+    PollSettings,
+    Poller,
+    _ServerPoll,
+    failure_reason,
+    sync_error_types,
+)
 from mvproxy.transport import Transport, Upstream
 
 SELF, PEER_B, PEER_C = "apiserver-a", "apiserver-b", "apiserver-c"
@@ -34,6 +43,8 @@ OLD_GV = ("scheduling.k8s.io", "v1alpha1")  # 1.35 only
 STALE_AFTER, FORGET_AFTER = 15.0, 600.0
 TIMEOUT = 0.2
 SYNC_ERRORS = "apiserver_peer_discovery_sync_errors_total"
+POLL_ERRORS = "mvproxy_discovery_poll_errors_total"
+UPSTREAM_TYPES = ("lease_list", "hostport_resolution", "fetch_discovery")
 
 
 # --------------------------------------------------------------------------- documents
@@ -179,11 +190,17 @@ class Harness:
         await self.poller.poll_once(server_id, self.states[server_id])
 
     def errors(self, kind: str) -> float:
+        """Upstream's counter, by its ``type``."""
         return self.registry.get_sample_value(SYNC_ERRORS, {"type": kind}) or 0.0
 
     def total_errors(self) -> float:
-        return sum(self.errors(k) for k in ("invalid_discovery", "oversized_discovery",
-                                            "timeout", "fetch_discovery"))
+        return sum(self.errors(k) for k in UPSTREAM_TYPES)
+
+    def reasons(self, server: str = PEER_B) -> dict[str, float]:
+        """mvproxy's counter for ``server``: the reasons seen, with their counts."""
+        return {reason: value for reason in REASONS
+                if (value := self.registry.get_sample_value(
+                    POLL_ERRORS, {"server": server, "reason": reason}))}
 
     def merged_gvs(self) -> dict[tuple[str, str], str]:
         merged = self.cache.view().merged()
@@ -306,7 +323,9 @@ async def test_malformed_documents_keep_the_last_good_snapshot(harness, caplog, 
     for _ in range(3):
         h.clock.now += 1
         await h.poll(PEER_B)
-    assert h.errors("invalid_discovery") == 1 and h.total_errors() == 1
+    # Both documents are broken: two failed fetches per poll, every poll counted.
+    assert h.errors("fetch_discovery") == 6 and h.total_errors() == 6
+    assert h.reasons() == {"invalid_discovery": 6}
     assert messages(caplog, FAILED) == 1
     state = h.cache.state(PEER_B)
     assert state.snapshot is good and state.reachable
@@ -319,16 +338,21 @@ async def test_oversized_documents_are_refused(harness, docs136):
     assert len(docs136["/api"]) < limit
     await h.poll(PEER_B)
     await h.poll(PEER_B)
-    assert h.errors("oversized_discovery") == 1 and h.total_errors() == 1
+    assert h.errors("fetch_discovery") == 2 and h.total_errors() == 2  # /apis, twice
+    assert h.reasons() == {"oversized_discovery": 2}
     state = h.cache.state(PEER_B)
     assert state.polled and not state.reachable and state.snapshot is None
 
 
-async def test_http_500_is_a_fetch_failure(harness):
+async def test_http_500_is_a_fetch_failure_per_path(harness):
+    """As upstream's TestPeerDiscoveryMetrics ("fetch discovery error": 2): each failed
+    /api or /apis fetch counts (staging/src/k8s.io/apiserver/pkg/util/peerproxy/
+    peer_discovery_test.go; types from peerproxy/metrics/metrics.go)."""
     h = await harness()
     h.fakes[PEER_B].mode = "500"
     await h.poll(PEER_B)
-    assert h.errors("fetch_discovery") == 1 and h.total_errors() == 1
+    assert h.errors("fetch_discovery") == 2 and h.total_errors() == 2
+    assert h.reasons() == {"http_status": 2}
     assert h.fakes[PEER_B].statuses == [500, 500]
 
 
@@ -338,23 +362,41 @@ async def test_peer_certificate_from_another_ca_fails_verification(harness, star
     await h.poll(PEER_B)
     await h.poll(SELF)
     assert rogue.requests == []  # the handshake failed before any request
-    assert h.errors("fetch_discovery") == 1
+    assert h.errors("fetch_discovery") == 2 and h.reasons() == {"connect": 2}
     state = h.cache.state(PEER_B)
     assert state.polled and not state.reachable and state.snapshot is None
     assert h.cache.view().synced  # polled once, unsuccessfully, still counts
 
 
-def test_failure_types_are_bounded():
+def test_failure_reasons_are_bounded():
     from mvproxy.discovery import DiscoveryFormatError
-    from mvproxy.errors import UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
+    from mvproxy.errors import (
+        UpstreamConnectError,
+        UpstreamProtocolError,
+        UpstreamTimeout,
+        UpstreamUnresolved,
+    )
+    from mvproxy.polling import UnexpectedStatus
     from mvproxy.transport import BodyTooLarge
 
-    assert failure_type(DiscoveryFormatError("x")) == "invalid_discovery"
-    assert failure_type(UpstreamTimeout("p", "x")) == "timeout"
-    assert failure_type(BodyTooLarge("p", "x")) == "oversized_discovery"
+    assert failure_reason(DiscoveryFormatError("x")) == "invalid_discovery"
+    assert failure_reason(UpstreamTimeout("p", "x")) == "timeout"
+    assert failure_reason(BodyTooLarge("p", "x")) == "oversized_discovery"
+    assert failure_reason(UnexpectedStatus("p", "HTTP 500")) == "http_status"
     # Only the size check decides "oversized", not words in an upstream's message.
-    assert failure_type(UpstreamProtocolError("p", "rate limit")) == "fetch_discovery"
-    assert failure_type(UpstreamConnectError("p", "x")) == "fetch_discovery"
+    assert failure_reason(UpstreamProtocolError("p", "rate limit")) == "broken_response"
+    assert failure_reason(UpstreamConnectError("p", "x")) == "connect"
+    assert failure_reason(UpstreamUnresolved("p", "x")) == "name_resolution"
+    assert failure_reason(RuntimeError("bug")) == "internal"
+
+
+def test_upstream_types_resolve_once_then_count_each_fetch():
+    """Upstream resolves a peer's host:port once per sync (``hostport_resolution``),
+    then counts each failed path fetch (``fetch_discovery``): peerproxy/peer_discovery.go,
+    types from staging/src/k8s.io/apiserver/pkg/util/peerproxy/metrics/metrics.go."""
+    assert sync_error_types(["name_resolution", "name_resolution"]) == ["hostport_resolution"]
+    assert sync_error_types(["timeout", "http_status"]) == ["fetch_discovery"] * 2
+    assert sync_error_types(["invalid_discovery"]) == ["fetch_discovery"]
 
 
 async def test_unexpected_errors_do_not_escape_a_poll(harness, monkeypatch):
@@ -365,7 +407,7 @@ async def test_unexpected_errors_do_not_escape_a_poll(harness, monkeypatch):
 
     monkeypatch.setattr(h.transport, "fetch", broken)
     await h.poll(PEER_B)  # must not raise
-    assert h.errors("fetch_discovery") == 1
+    assert h.errors("fetch_discovery") == 2 and h.reasons() == {"internal": 2}
     assert h.cache.state(PEER_B).polled
 
 
@@ -379,13 +421,17 @@ async def test_slow_peer_times_out_without_delaying_a_fast_one(harness, docs135,
     assert not slow_poll.done()  # the fast peer finished first
     assert h.cache.state(PEER_C).reachable
     await slow_poll  # ends by its own 0.2 s timeout (the handler waits for release)
-    assert h.errors("timeout") == 1 and h.total_errors() == 1
+    assert h.errors("fetch_discovery") == 2 and h.total_errors() == 2
+    assert h.reasons() == {"timeout": 2}
     assert h.cache.state(PEER_B).polled and not h.cache.state(PEER_B).reachable
 
 
 # --------------------------------------------------------------------------- state changes
 
-async def test_flapping_peer_is_counted_and_logged_once_per_change(harness, caplog):
+async def test_flapping_peer_is_counted_every_time_and_logged_once_per_change(harness, caplog):
+    """Counters count every failed fetch, so rate() is honest (upstream counts each
+    one: staging/src/k8s.io/apiserver/pkg/util/peerproxy/metrics/metrics.go); the log
+    says it once per change of state."""
     caplog.set_level(logging.INFO, logger="mvproxy.polling")
     h = await harness()
     peer = h.fakes[PEER_B]
@@ -393,11 +439,12 @@ async def test_flapping_peer_is_counted_and_logged_once_per_change(harness, capl
     for _ in range(3):
         peer.mode = "500"
         await h.poll(PEER_B)
-        await h.poll(PEER_B)  # the same failure again: nothing new
+        await h.poll(PEER_B)  # the same failure again: counted, not logged
         peer.mode = "ok"
         await h.poll(PEER_B)
         await h.poll(PEER_B)
-    assert h.errors("fetch_discovery") == 3 and h.total_errors() == 3
+    assert h.errors("fetch_discovery") == 12 and h.total_errors() == 12  # 3 x 2 polls x 2
+    assert h.reasons() == {"http_status": 12}
     assert messages(caplog, FAILED) == 3
     assert messages(caplog, RECOVERED) == 3
     # A different kind of failure is a change of state too.
@@ -405,8 +452,42 @@ async def test_flapping_peer_is_counted_and_logged_once_per_change(harness, capl
     await h.poll(PEER_B)
     peer.mode = "garbage"
     await h.poll(PEER_B)
-    assert h.errors("fetch_discovery") == 4 and h.errors("invalid_discovery") == 1
+    assert h.errors("fetch_discovery") == 16
+    assert h.reasons() == {"http_status": 14, "invalid_discovery": 2}
     assert messages(caplog, FAILED) == 5
+
+
+async def test_backend_failures_count_only_in_the_mvproxy_counter(harness):
+    """Upstream's sync errors are about peers (it never polls itself:
+    staging/src/k8s.io/apiserver/pkg/util/peerproxy/metrics/metrics.go); the
+    backend's failed polls are mvproxy's own counter, under its server ID."""
+    h = await harness()
+    h.backend.mode = "500"
+    await h.poll(SELF)
+    assert h.total_errors() == 0
+    assert h.reasons(SELF) == {"http_status": 2}
+
+
+async def test_a_peer_whose_name_does_not_resolve_is_one_hostport_resolution_per_poll(
+        harness, peer_client_ctx, monkeypatch):
+    """Upstream: a peer without a usable host:port is ``hostport_resolution``, counted
+    once per sync before any fetch (peerproxy/peer_discovery.go; type values in
+    staging/src/k8s.io/apiserver/pkg/util/peerproxy/metrics/metrics.go). The name
+    lookup is faked: tests reach nothing but loopback."""
+    h = await harness()
+    loop = asyncio.get_running_loop()
+
+    async def no_such_host(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(loop, "getaddrinfo", no_such_host)
+    upstream = Upstream(PEER_B, "https://apiserver-b.invalid:6443", peer_client_ctx,
+                        is_peer=True)
+    h.states[PEER_B] = _ServerPoll(upstream)
+    for _ in range(2):
+        await h.poll(PEER_B)
+    assert h.errors("hostport_resolution") == 2 and h.total_errors() == 2
+    assert h.reasons() == {"name_resolution": 4}
 
 
 async def test_stale_marking_and_recovery(harness, caplog):

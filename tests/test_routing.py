@@ -144,14 +144,20 @@ def row(rule: str, view: str, method: str, path: str, route: str, peers=(), *,
 
 
 TABLE = [
-    # 1. loop guard
+    # 1. discovery, from peers too (the handler answers them from the backend, and
+    # counts their profile=nopeer polls, as upstream's discovery wrapper does)
+    row("peer-proxied discovery goes to the discovery handler", "upgrade", "GET", "/apis",
+        DISCOVERY, peer_proxied=True, reason="discovery"),
+    row("peer-proxied HEAD /api goes to the discovery handler", "upgrade", "HEAD", "/api",
+        DISCOVERY, peer_proxied=True),
+    # 2. loop guard
     row("serve locally if already peer-proxied", "upgrade", "GET", PODGROUPS, BACKEND,
         peer_proxied=True, reason="peer-proxied"),
     row("peer-proxied beats an unreachable capable peer", "upgrade, peer down", "GET",
         PODGROUPS, BACKEND, peer_proxied=True),
-    row("peer-proxied discovery goes to the backend (local view)", "upgrade", "GET", "/apis",
+    row("peer-proxied POST /apis goes to the backend", "upgrade", "POST", "/apis",
         BACKEND, peer_proxied=True, reason="peer-proxied"),
-    # 2. discovery
+    # discovery
     row("discovery /api", "upgrade", "GET", "/api", DISCOVERY),
     row("discovery /api/ with slash", "upgrade", "GET", "/api/", DISCOVERY),
     row("discovery /apis", "upgrade", "GET", "/apis", DISCOVERY),
