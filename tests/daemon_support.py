@@ -123,13 +123,18 @@ async def misbehave(request: web.Request, mode: str) -> web.StreamResponse:
         await asyncio.sleep(WAIT)
         return web.Response(status=200)
     if mode == "truncated":
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.content_length = 100_000
-        await response.prepare(request)
-        await response.write(b'{"kind":"APIGroupDiscoveryList","items":[')
-        request.transport.close()
-        return response
+        return await cut_short(request, b'{"kind":"APIGroupDiscoveryList","items":[')
     raise AssertionError(f"unknown mode {mode}")
+
+
+async def cut_short(request: web.Request, first: bytes) -> web.StreamResponse:
+    """A response that announces 100,000 bytes, sends ``first`` and drops the connection."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = 100_000
+    await response.prepare(request)
+    await response.write(first)
+    request.transport.close()
+    return response
 
 
 def header(echoed: dict, name: str) -> list[str]:

@@ -23,6 +23,7 @@ from daemon_support import (  # root: the module's PKI fixture
     WAIT,
     Cluster,
     cluster,
+    cut_short,
     ready,
     root,  # noqa: F401
 )
@@ -71,12 +72,7 @@ def peer_routes(app: web.Application) -> None:
         return web.json_response({}, status=201)
 
     async def cut(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.content_length = 100_000
-        await response.prepare(request)
-        await response.write(b'{"kind":"PodGroup"')
-        request.transport.close()
-        return response
+        return await cut_short(request, b'{"kind":"PodGroup"')
 
     app.router.add_get("/apis/scheduling.k8s.io/v1alpha2/podgroups", watch)
     app.router.add_post(PODGROUPS, slow_create)
