@@ -35,7 +35,9 @@ from mvproxy.handlers import Proxy
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
 from mvproxy.listener import Limits, Listener
 from mvproxy.logs import kv
-from mvproxy.membership import Membership, Peer, StaticMembership
+from mvproxy.kubeclient import KubeClient
+from mvproxy.leasemembership import LeaseMembership
+from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings
 from mvproxy.transport import Transport, Upstream
@@ -60,6 +62,8 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    leases: LeaseMembership | None = None
+    """Lease membership (``peers.leases``): run beside the poller, released on shutdown."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -98,9 +102,14 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
         cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file),
         anonymous=Upstream("backend", backend_url, pki.client_context(cfg.backend.ca_file),
                            presents_certificate=False))
-    membership = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
+    membership_changed = asyncio.Event()
+    leases = _lease_membership(cfg, metrics, membership_changed.set)
+    membership = CombinedMembership(
+        [StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
+         *([leases] if leases else [])],
+        own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
     peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
-                if cfg.peers else None)
+                if cfg.peers or cfg.membership.dynamic else None)
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
@@ -124,7 +133,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     poller = Poller(cache=cache, transport=poll_transport, backend=backend, peers=peers,
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
-                    metrics=metrics, on_failure=stopped_answering)
+                    metrics=metrics, on_failure=stopped_answering, wake=membership_changed)
     retry_after = max(1, math.ceil(cfg.discovery.poll_interval))
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
@@ -141,7 +150,22 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event())
+                  poller, proxy, identity, limits, asyncio.Event(), leases)
+
+
+def _lease_membership(cfg: Config, metrics: Metrics, on_change) -> LeaseMembership | None:
+    """Lease membership talks to the backend as a front proxy (README "Membership")."""
+    leases = cfg.membership.leases
+    if not leases.enabled:
+        return None
+    client = KubeClient(cfg.backend.url, pki.client_context(
+        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file), cfg.server_id,
+        timeout=min(cfg.timeouts.request, max(1.0, leases.renew_period)))
+    return LeaseMembership(client=client, server_id=cfg.server_id, namespace=leases.namespace,
+                           url=cfg.peer.advertise_url or "", duration=leases.lease_duration,
+                           renew_period=leases.renew_period,
+                           identity_leases=leases.api_server_identity, metrics=metrics,
+                           on_change=on_change)
 
 
 FD_RESERVE = 128
@@ -192,6 +216,11 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
     """Listeners and the poller up; yields (proxy port, admin port: 0 for a worker);
     stops everything."""
     cfg = daemon.config
+    leases = daemon.leases
+    if leases is not None and worker is not None and worker.index != 0:
+        leases.hold = False  # one Lease per member: worker 0 holds it, all follow
+    lease_task = (asyncio.create_task(leases.run(), name="mvproxy-leases")
+                  if leases is not None else None)
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
     listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
                         limits=daemon.limits,
@@ -223,6 +252,11 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
                                      max_connections=daemon.limits.max_connections))
         yield ports
     finally:
+        if lease_task is not None:  # first: peers stop routing here while we drain
+            lease_task.cancel()
+            await asyncio.gather(lease_task, return_exceptions=True)
+            if leases.hold:
+                await leases.release()
         await _drain(daemon, listener)
         await listener.close()
         await admin.cleanup()

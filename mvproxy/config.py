@@ -271,7 +271,8 @@ class _Section:
 
     def __init__(self, cls: type, *, ignore: tuple[str, ...] = ()):
         self.cls = cls
-        self.fields = {f.metadata["key"]: f for f in dataclasses.fields(cls)}
+        self.fields = {f.metadata["key"]: f for f in dataclasses.fields(cls) if f.metadata["key"]}
+        self.derived = [f for f in dataclasses.fields(cls) if not f.metadata["key"]]
         self.ignore = ignore  # keys known here but validated elsewhere (apiVersion, kind)
 
     def __call__(self, raw: object, path: str, ctx: _Context) -> Any:
@@ -305,7 +306,9 @@ class _Section:
         return _INVALID
 
     def _derive(self, values: dict[str, Any]) -> None:
-        for f in self.fields.values():
+        for f in self.derived:
+            values[f.name] = _DERIVED
+        for f in [*self.fields.values(), *self.derived]:
             if values[f.name] is _DERIVED:
                 source, compute = f.metadata["derive"]
                 values[f.name] = _INVALID if values[source] is _INVALID else compute(values[source])
@@ -317,10 +320,13 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     return f" (did you mean {lowered[matches[0]]!r}?)" if matches else ""
 
 
-def _peers(value: object, path: str, ctx: _Context) -> Any:
-    # YAML nests the list under `peers.static` so DNS and Lease membership can join it
-    # later; the dataclass keeps only the flat tuple.
-    return _Section(_PeersSection)(value, path, ctx).static
+def _not_in_yaml(value: object, path: str, ctx: _Context) -> Any:
+    raise _Invalid("unknown key")  # pragma: no cover - fields using it have no YAML key
+
+
+def _derived(source: str, compute: Callable[[Any], Any], **kwargs: Any) -> Any:
+    """A field with no YAML key of its own: always ``compute(<value of source>)``."""
+    return _key("", _not_in_yaml, derive=(source, compute), **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -394,12 +400,58 @@ class StaticPeer:
     """``https://`` URL of the peer's mvproxy listener. Required, unique."""
 
 
+LEASE_NAME_PREFIX = "mvproxy-"
+"""An mvproxy's Lease is named ``mvproxy-<serverID>``: apart from kube-apiserver's own."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _PeersSection:
-    """YAML ``peers``; only ``static`` exists so far."""
+class LeasesConfig:
+    """YAML ``peers.leases``: peers from ``coordination.k8s.io/v1`` Leases, read and
+    written through the backend (each mvproxy holds one; see README "Membership")."""
+
+    enabled: bool = _key("enabled", _boolean, default=False)
+    """Publish this mvproxy's Lease and take the other unexpired ones as peers (false).
+    Needs ``peer.advertiseURL`` and the backend client certificate."""
+    namespace: str = _key("namespace", _server_id, default="kube-system")
+    """Namespace of the Leases (kube-system, where kube-apiserver keeps its identity Leases)."""
+    lease_duration: float = _key("leaseDuration", _duration(), default=30.0)
+    """Seconds a Lease stays valid after its last renewal (30s): how long a killed mvproxy
+    remains a peer. Must be > renewPeriod."""
+    renew_period: float = _key("renewPeriod", _duration(), default=10.0)
+    """Seconds between renewals of this mvproxy's own Lease (10s); also how often the
+    peer list is re-checked for expired Leases."""
+    api_server_identity: bool = _key("apiServerIdentity", _boolean, default=True)
+    """Also take kube-apiserver identity Leases (label ``apiserver.kubernetes.io/identity``)
+    that carry ``kubernetes.io/peer-advertise-address`` as peers (true), so built-in MVP
+    servers and mvproxies route to each other."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DNSConfig:
+    """YAML ``peers.dns``: peers from the addresses of one DNS name (a headless Service)."""
+
+    name: str | None = _key("name", _server_id, default=None)
+    """DNS name whose A/AAAA records are the peers' mvproxies (None: DNS membership off)."""
+    port: int = _key("port", _integer(1, 65535), default=6443)
+    """TCP port of the peers' mvproxy listeners at those addresses (6443)."""
+    interval: float = _key("interval", _duration(), default=10.0)
+    """Seconds between resolutions (10s): how fast a DNS change reaches routing."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeersConfig:
+    """YAML ``peers``: the membership sources; any combination may be used."""
 
     static: tuple[StaticPeer, ...] = _key("static", _list_of(_Section(StaticPeer)), default=())
     """Peers listed by hand (empty: no peers; everything is served by the backend)."""
+    leases: LeasesConfig = _key("leases", _Section(LeasesConfig), default_factory=LeasesConfig)
+    """Lease membership (off)."""
+    dns: DNSConfig = _key("dns", _Section(DNSConfig), default_factory=DNSConfig)
+    """DNS membership (off)."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.leases.enabled or self.dns.name is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -503,8 +555,10 @@ class Config:
     """The kube-apiserver this mvproxy fronts. Required (``backend.url``)."""
     peer: PeerConfig = _key("peer", _Section(PeerConfig), default_factory=PeerConfig)
     """mTLS material and trusted names for peers."""
-    peers: tuple[StaticPeer, ...] = _key("peers", _peers, default=())
-    """The statically configured peers, flattened from YAML ``peers.static`` (empty)."""
+    membership: PeersConfig = _key("peers", _Section(PeersConfig), default_factory=PeersConfig)
+    """Membership sources, YAML ``peers`` (``static``, ``leases``, ``dns``)."""
+    peers: tuple[StaticPeer, ...] = _derived("membership", lambda m: m.static, default=())
+    """The statically configured peers, ``peers.static`` (empty)."""
     discovery: DiscoveryConfig = _key("discovery", _Section(DiscoveryConfig), default_factory=DiscoveryConfig)
     """Discovery polling intervals and limits."""
     admin: AdminConfig = _key("admin", _Section(AdminConfig), default_factory=AdminConfig)
@@ -537,6 +591,13 @@ def _check_backend(v: dict[str, Any], path: str, ctx: _Context) -> None:
         ctx.add(_join(path, "certFile"), "required when keyFile is set")
 
 
+def _check_leases(v: dict[str, Any], path: str, ctx: _Context) -> None:
+    duration, renew = v["lease_duration"], v["renew_period"]
+    if _valid(duration, renew) and renew >= duration:
+        ctx.add(_join(path, "renewPeriod"), f"must be < leaseDuration ({format_duration(duration)}), "
+                                            f"got {format_duration(renew)!r}")
+
+
 def _check_peers_section(v: dict[str, Any], path: str, ctx: _Context) -> None:
     if v["static"] is not _INVALID:
         _report_duplicates(v["static"], "server_id", "serverID", _join(path, "static"), ctx)
@@ -567,10 +628,11 @@ def _not_below(name: str, floor: float, value: float) -> str:
 
 
 def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
-    peers, peer = v["peers"], v["peer"]
-    if not _valid(peers):
+    peers, peer, membership = v["peers"], v["peer"], v["membership"]
+    if not _valid(peers, membership):
         return
-    if peers and _valid(peer):
+    _check_dynamic(v, ctx)
+    if (peers or membership.dynamic) and _valid(peer):
         for attr, key in (("ca_file", "caFile"), ("client_ca_file", "clientCAFile"),
                           ("cert_file", "certFile"), ("key_file", "keyFile")):
             if getattr(peer, attr) is None:
@@ -580,9 +642,25 @@ def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
             ctx.add(f"peers.static[{index}].serverID", f"must differ from the top-level serverID {v['server_id']!r}")
 
 
+def _check_dynamic(v: dict[str, Any], ctx: _Context) -> None:
+    """Leases are written with the backend's client certificate, and name this server."""
+    leases = v["membership"].leases
+    if not _valid(leases) or not leases.enabled:
+        return
+    if _valid(v["peer"]) and v["peer"].advertise_url is None:
+        ctx.add("peer.advertiseURL", "required when peers.leases.enabled is true")
+    if _valid(v["backend"]) and v["backend"].cert_file is None:
+        ctx.add("backend.certFile", "required when peers.leases.enabled is true (the Lease "
+                                    "is written through the backend as a front proxy)")
+    if _valid(v["server_id"]) and len(LEASE_NAME_PREFIX + v["server_id"]) > 253:
+        ctx.add("serverID", f"at most {253 - len(LEASE_NAME_PREFIX)} characters when "
+                            "peers.leases.enabled is true (it names the Lease)")
+
+
 _CHECKS: dict[type, Callable[[dict[str, Any], str, _Context], None]] = {
     BackendConfig: _check_backend,
-    _PeersSection: _check_peers_section,
+    LeasesConfig: _check_leases,
+    PeersConfig: _check_peers_section,
     DiscoveryConfig: _check_discovery,
     Config: _check_config,
 }

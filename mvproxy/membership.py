@@ -33,3 +33,47 @@ class StaticMembership:
 
     def peers(self) -> tuple[Peer, ...]:
         return self._peers
+
+
+class CombinedMembership:
+    """Several sources as one: the first source naming a server ID wins (static first),
+    and this server's own ID or URLs are never a peer, whatever a source says."""
+
+    def __init__(self, sources: Iterable[Membership], *, own_id: str,
+                 own_urls: Iterable[str] = ()):
+        self._sources = tuple(sources)
+        self._own_id = own_id
+        self._own_urls = frozenset(normalise_url(u) for u in own_urls)
+        self._last: tuple[tuple[Peer, ...], ...] | None = None
+        self._peers: tuple[Peer, ...] = ()
+
+    def peers(self) -> tuple[Peer, ...]:
+        answers = tuple(source.peers() for source in self._sources)
+        if answers != self._last:
+            self._last, self._peers = answers, self._combine(answers)
+        return self._peers
+
+    def _combine(self, answers: tuple[tuple[Peer, ...], ...]) -> tuple[Peer, ...]:
+        chosen: dict[str, Peer] = {}
+        urls: set[str] = set()
+        for answer in answers:
+            for peer in answer:
+                url = normalise_url(peer.url)
+                if peer.server_id == self._own_id or url in self._own_urls \
+                        or peer.server_id in chosen or url in urls:
+                    continue
+                chosen[peer.server_id] = peer
+                urls.add(url)
+        return tuple(sorted(chosen.values(), key=lambda p: p.server_id))
+
+
+def normalise_url(url: str) -> str:
+    """``https://Host:443/`` and ``https://host`` are the same address."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 443
+    except ValueError:
+        return url
+    return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"

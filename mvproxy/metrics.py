@@ -85,6 +85,15 @@ class Metrics:
         self.open_connections = Gauge(
             "mvproxy_open_connections", "Downstream connections open now (including TLS "
             "handshakes in progress).", registry=r)
+        self.membership_rejected = Counter(
+            "mvproxy_membership_rejected_total",
+            "Membership entries ignored (a malformed or hostile Lease, a DNS answer whose "
+            "server ID could not be learned), by source and reason.",
+            ("source", "reason"), registry=r)
+        self.membership_errors = Counter(
+            "mvproxy_membership_errors_total",
+            "Failed membership operations (Lease renew/list/watch, DNS resolution), by "
+            "source and reason; the last known peers stay.", ("source", "reason"), registry=r)
 
     def watch_connections(self, count: Callable[[], int]) -> None:
         """Read ``mvproxy_open_connections`` from the listener at scrape time."""

@@ -19,6 +19,7 @@ polls only peers; the backend's failures show in the first counter and in readin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -107,8 +108,12 @@ class Poller:
     def __init__(self, *, cache: DiscoveryCache, transport: Transport, backend: Upstream,
                  peers: Callable[[], Mapping[str, Upstream]], settings: PollSettings,
                  metrics: Metrics, rng: random.Random | None = None,
-                 on_failure: Callable[[str, bool], None] | None = None):
+                 on_failure: Callable[[str, bool], None] | None = None,
+                 wake: asyncio.Event | None = None):
         self.cache = cache
+        self._wake = wake
+        """Set by a dynamic membership source when the peers changed: reconcile at once,
+        so a joining peer is polled now and a leaving one dropped now."""
         self._on_failure = on_failure
         """Told (server ID, whether it just became unreachable) after every failed poll,
         so the request path stops reusing connections to a server that stopped answering."""
@@ -132,9 +137,17 @@ class Poller:
                     self._reconcile()
                 except Exception:  # a broken membership source must not stop polling
                     log.exception("cannot read the peer list; keeping the current peers")
-                await asyncio.sleep(self.settings.interval)
+                await self._until_next_round()
         finally:
             await self._stop_all()
+
+    async def _until_next_round(self) -> None:
+        if self._wake is None:
+            await asyncio.sleep(self.settings.interval)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.settings.interval)
+        self._wake.clear()
 
     def _reconcile(self) -> None:
         wanted = dict(self._peers())

@@ -201,13 +201,13 @@ def dotted_keys_of(cls: type, prefix: str = "") -> set[str]:
     """Every YAML key the schema knows, read from the dataclass field metadata."""
     keys = set()
     for f in dataclasses.fields(cls):
+        if not f.metadata["key"]:
+            continue  # derived from another key (Config.peers from peers.static)
         key = prefix + f.metadata["key"]
         keys.add(key)
         section = getattr(f.metadata["parse"], "cls", None)
         if section is not None:
             keys |= dotted_keys_of(section, key + ".")
-    if cls is Config:
-        keys.add("peers.static")  # `peers` is a flattening parser, not a section
     return keys
 
 

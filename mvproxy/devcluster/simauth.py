@@ -68,6 +68,11 @@ PUBLIC_PATHS = frozenset(("/healthz", "/livez", "/readyz", "/version", "/version
 DISCOVERY_PATHS = ("/api", "/api/*", "/apis", "/apis/*", "/openapi", "/openapi/*",
                    *sorted(PUBLIC_PATHS))
 _READ_VERBS = frozenset(("get", "list", "watch"))
+#: mvproxy's own identity for Lease membership (``mvproxy.kubeclient``) and what the
+#: README's Role grants it: Leases in kube-system, nothing else (a stand-in for RBAC).
+MVPROXY_GROUP = "system:mvproxies"
+MVPROXY_LEASE_NAMESPACE = "kube-system"
+_LEASE_VERBS = frozenset(("get", "list", "watch", "create", "update", "patch", "delete"))
 #: Upgrading GETs that start a session; kube also requires ``create`` for them.
 _SESSION_SUBRESOURCES = frozenset(("exec", "attach", "portforward"))
 
@@ -278,6 +283,8 @@ def _allowed(user: UserInfo, info: RequestInfo, verb: str) -> bool:
     if MASTERS in groups:
         return True
     if info.is_resource_request:
+        if MVPROXY_GROUP in groups and _mvproxy_lease_rule(info, verb):
+            return True
         return VIEWER in groups and verb in _READ_VERBS
     if verb != "get":
         return False
@@ -286,6 +293,12 @@ def _allowed(user: UserInfo, info: RequestInfo, verb: str) -> bool:
     if AUTHENTICATED in groups and _path_matches(info.path, DISCOVERY_PATHS):
         return True
     return info.path in PUBLIC_PATHS
+
+
+def _mvproxy_lease_rule(info: RequestInfo, verb: str) -> bool:
+    return (info.api_group == "coordination.k8s.io" and info.resource == "leases"
+            and not info.subresource and info.namespace == MVPROXY_LEASE_NAMESPACE
+            and verb in _LEASE_VERBS)
 
 
 def _qualified(info: RequestInfo) -> str:

@@ -1,0 +1,302 @@
+"""Membership from Leases: hold our own, follow everyone's with list + watch.
+
+``run`` keeps two kinds of loops going until cancelled:
+
+* renewal: this mvproxy's Lease is created, then updated every ``renew_period``
+  (a conflict re-reads it; errors retry with bounded backoff, never faster than
+  ``_MIN_RETRY``);
+* following, one per label selector: a list, then watches from its resourceVersion;
+  a watch that ends is resumed from the last resourceVersion seen, a 410 Gone re-lists,
+  an error re-lists after a backoff doubling to ``_MAX_RETRY``.
+
+``peers()`` answers from memory: the parsed Leases whose expiry has not passed, so a
+killed peer drops out when its Lease expires even if nobody deletes it. A Lease that
+does not parse is logged once (per name and reason), counted, and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mvproxy.kubeclient import KubeClient, KubeError
+from mvproxy.leases import (IDENTITY_SELECTOR, MVPROXY_SELECTOR, LeasePeer, LeaseRejected,
+                            lease_name, own_lease, parse_lease)
+from mvproxy.logs import kv
+from mvproxy.membership import Peer
+from mvproxy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_MIN_RETRY = 0.2
+_MAX_RETRY = 30.0
+MAX_LEASES = 5000
+"""Leases remembered per selector; more are counted and ignored (memory stays bounded)."""
+MAX_PEERS = 256
+"""Peers taken from Leases at most; a flood of valid Leases cannot make us poll thousands."""
+_MAX_LOGGED = 1024
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old: list again."""
+
+
+class LeaseMembership:
+    def __init__(self, *, client: KubeClient, server_id: str, namespace: str, url: str,
+                 duration: float, renew_period: float, identity_leases: bool,
+                 metrics: Metrics | None = None, on_change: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None):
+        self.client = client
+        self.server_id = server_id
+        self.namespace = namespace
+        self.url = url
+        self.duration = duration
+        self.renew_period = renew_period
+        self.selectors = (MVPROXY_SELECTOR, *((IDENTITY_SELECTOR,) if identity_leases else ()))
+        self._metrics = metrics
+        self._on_change = on_change or (lambda: None)
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._leases: dict[str, dict[str, LeasePeer]] = {s: {} for s in self.selectors}
+        self._own: dict[str, Any] | None = None
+        self._logged: set[tuple[str, str]] = set()
+        self._failing: dict[str, str] = {}
+        self._cached: tuple[Peer, ...] = ()
+        self._valid_until = 0.0
+        self._dirty = True
+        self.synced = asyncio.Event()
+        """Set once every selector has been listed (tests and readiness wait on it)."""
+        self._listed: set[str] = set()
+        self.hold = True
+        """Whether this process creates and renews the Lease (False: follow only)."""
+
+    @property
+    def _path(self) -> str:
+        return f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases"
+
+    # ------------------------------------------------------------------ the answer
+
+    def peers(self) -> tuple[Peer, ...]:
+        now = self._clock()
+        if self._dirty or now >= self._valid_until:
+            self._cached, self._valid_until = self._compute(now)
+            self._dirty = False
+        return self._cached
+
+    def _compute(self, now: float) -> tuple[tuple[Peer, ...], float]:
+        chosen: dict[str, LeasePeer] = {}
+        for selector in self.selectors:  # mvproxy Leases first: they win a shared ID
+            for lease in self._leases[selector].values():
+                if lease.expires > now and lease.server_id != self.server_id:
+                    chosen.setdefault(lease.server_id, lease)
+        live = sorted(chosen.values(), key=lambda p: p.server_id)
+        if len(live) > MAX_PEERS:
+            self._count_rejected("too_many", len(live) - MAX_PEERS)
+            live = live[:MAX_PEERS]
+        next_expiry = min((p.expires for p in live), default=float("inf"))
+        return tuple(Peer(p.server_id, p.url) for p in live), next_expiry
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self._renew_loop(), name="mvproxy-lease-renew")
+                 ] if self.hold else []
+        tasks += [asyncio.create_task(self._follow(s), name=f"mvproxy-lease-watch-{s}")
+                  for s in self.selectors]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def release(self, timeout: float = 2.0) -> bool:
+        """Delete our Lease (graceful shutdown): peers drop us at once, not at expiry."""
+        try:
+            async with asyncio.timeout(timeout):
+                status, _ = await self.client.request(
+                    "DELETE", f"{self._path}/{lease_name(self.server_id)}")
+        except (KubeError, TimeoutError) as exc:
+            log.warning("could not delete this mvproxy's Lease; peers drop it when it "
+                        "expires", extra=kv(error=str(exc)))
+            return False
+        finally:
+            await self.client.close()
+        if status not in (200, 202, 404):
+            log.warning("could not delete this mvproxy's Lease; peers drop it when it "
+                        "expires", extra=kv(status=status))
+            return False
+        log.info("deleted this mvproxy's Lease", extra=kv(lease=lease_name(self.server_id)))
+        return True
+
+    # ------------------------------------------------------------------ renewal
+
+    async def _renew_loop(self) -> None:
+        retry = _MIN_RETRY
+        while True:
+            try:
+                await self._renew_once()
+                self._recovered("renew")
+                retry = _MIN_RETRY
+                await asyncio.sleep(self.renew_period)
+            except KubeError as exc:
+                self._failed("renew", exc)
+                await asyncio.sleep(min(retry, self.renew_period))
+                retry = min(retry * 2, _MAX_RETRY)
+
+    async def _renew_once(self) -> None:
+        name = lease_name(self.server_id)
+        if self._own is None:
+            status, current = await self.client.request("GET", f"{self._path}/{name}")
+            if status == 404:
+                body = own_lease(self.server_id, self.namespace, self.url, self.duration,
+                                 self._clock())
+                status, created = await self.client.request("POST", self._path, body=body)
+                _expect(status, created, 201, "create")
+                self._own = created
+                log.info("created this mvproxy's Lease", extra=kv(lease=name,
+                                                                   namespace=self.namespace))
+                return
+            _expect(status, current, 200, "get")
+            self._own = current
+        body = own_lease(self.server_id, self.namespace, self.url, self.duration,
+                         self._clock(), previous=self._own)
+        status, updated = await self.client.request("PUT", f"{self._path}/{name}", body=body)
+        if status in (404, 409):
+            self._own = None  # deleted or changed by someone else: read it again
+        _expect(status, updated, 200, "update")
+        self._own = updated
+
+    # ------------------------------------------------------------------ following
+
+    async def _follow(self, selector: str) -> None:
+        retry = _MIN_RETRY
+        while True:
+            try:
+                rv = await self._list(selector)
+                self._recovered(f"list {selector}")
+                while True:
+                    rv = await self._watch(selector, rv)
+                    retry = _MIN_RETRY
+            except _Gone:
+                log.info("lease watch expired; listing again", extra=kv(selector=selector))
+            except KubeError as exc:
+                self._failed(f"list {selector}", exc)
+                await asyncio.sleep(retry * self._rng.uniform(0.8, 1.2))
+                retry = min(retry * 2, _MAX_RETRY)
+
+    async def _list(self, selector: str) -> str:
+        status, body = await self.client.request("GET", self._path,
+                                                 params={"labelSelector": selector})
+        _expect(status, body, 200, "list")
+        items = body.get("items") if isinstance(body, dict) else None
+        rv = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get(
+            "resourceVersion")
+        if not isinstance(items, list) or not isinstance(rv, str):
+            raise KubeError(status, "malformed", "Lease list without items or resourceVersion")
+        fresh: dict[str, LeasePeer] = {}
+        for item in items:
+            self._take(fresh, item)
+        self._leases[selector] = fresh
+        self._changed()
+        self._listed.add(selector)
+        if self._listed == set(self.selectors):
+            self.synced.set()
+        return rv
+
+    async def _watch(self, selector: str, rv: str) -> str:
+        params = {"labelSelector": selector, "resourceVersion": rv,
+                  "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(self._rng.randint(300, 600))}
+        # aclosing: a cancelled watch releases its connection now, not when GC finds it
+        async with contextlib.aclosing(self.client.watch(self._path, params, 660.0)) as events:
+            return await self._consume(selector, rv, events)
+
+    async def _consume(self, selector: str, rv: str, events) -> str:
+        async for event in events:
+            kind, obj = event.get("type"), event.get("object")
+            if kind == "ERROR":
+                if isinstance(obj, dict) and obj.get("code") == 410:
+                    raise _Gone()
+                raise KubeError(200, "watch_error", "watch ERROR event")
+            if not isinstance(obj, dict):
+                raise KubeError(200, "malformed", "watch event without an object")
+            new_rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if isinstance(new_rv, str) and new_rv:
+                rv = new_rv
+            store = self._leases[selector]
+            if kind in ("ADDED", "MODIFIED"):
+                self._take(store, obj)
+            elif kind == "DELETED":
+                name = (obj.get("metadata") or {}).get("name")
+                if store.pop(name, None) is not None:
+                    self._changed()
+            elif kind != "BOOKMARK":
+                raise KubeError(200, "malformed", "unknown watch event type")
+        return rv
+
+    def _take(self, store: dict[str, LeasePeer], obj: object) -> None:
+        name = ((obj.get("metadata") or {}) if isinstance(obj, dict) else {}).get("name")
+        if not isinstance(name, str):
+            self._reject("?", LeaseRejected("malformed", "Lease without a name"))
+            return
+        try:
+            peer = parse_lease(obj)
+        except LeaseRejected as exc:
+            if store.pop(name, None) is not None:
+                self._changed()
+            self._reject(name, exc)
+            return
+        if name not in store and len(store) >= MAX_LEASES:
+            self._reject(name, LeaseRejected("too_many", f"more than {MAX_LEASES} Leases"))
+            return
+        if store.get(name) != peer:
+            store[name] = peer
+            self._changed()
+
+    # ------------------------------------------------------------------ reporting
+
+    def _changed(self) -> None:
+        self._dirty = True
+        self._on_change()
+
+    def _reject(self, name: str, exc: LeaseRejected) -> None:
+        self._count_rejected(exc.reason)
+        key = (name[:253], exc.reason)
+        if key in self._logged:
+            return
+        if len(self._logged) >= _MAX_LOGGED:
+            self._logged.clear()
+        self._logged.add(key)
+        level = logging.INFO if exc.reason == "no_address" else logging.WARNING
+        log.log(level, "ignoring a Lease that names no usable peer",
+                    extra=kv(lease=name[:253], reason=exc.reason, detail=str(exc)))
+
+    def _count_rejected(self, reason: str, n: int = 1) -> None:
+        if self._metrics is not None:
+            self._metrics.membership_rejected.labels("leases", reason).inc(n)
+
+    def _failed(self, what: str, exc: KubeError) -> None:
+        if self._metrics is not None:
+            self._metrics.membership_errors.labels("leases", exc.reason).inc()
+        if self._failing.get(what) != exc.reason:  # log a new failure once, not every retry
+            self._failing[what] = exc.reason
+            hint = (" (RBAC: see README 'Membership')" if exc.status == 403 else "")
+            log.warning(f"lease {what} failed; retrying{hint}",
+                        extra=kv(reason=exc.reason, error=str(exc)))
+
+    def _recovered(self, what: str) -> None:
+        if self._failing.pop(what, None) is not None:
+            log.info(f"lease {what} works again")
+
+
+def _expect(status: int, body: object, wanted: int, what: str) -> None:
+    if status != wanted:
+        message = body.get("message") if isinstance(body, dict) else None
+        detail = f": {message[:200]}" if isinstance(message, str) else ""
+        raise KubeError(status, f"http_{status}", f"Lease {what}: HTTP {status}{detail}")

@@ -1,0 +1,330 @@
+"""Lease membership: parsing and validation of Leases, then the source itself against a
+simulated kube-apiserver (``mvproxy sim``, real TLS on 127.0.0.1, front-proxy client
+certificate as in production)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mvproxy import leasemembership
+from mvproxy.kubeclient import KubeClient
+from mvproxy.leasemembership import LeaseMembership
+from mvproxy.leases import (IDENTITY_LABEL, PEER_ADDRESS_ANNOTATION, URL_ANNOTATION,
+                            LeaseRejected, format_time, own_lease, parse_lease, parse_time)
+from mvproxy.logs import _KV_ATTR
+from mvproxy.membership import CombinedMembership, Peer, StaticMembership
+from mvproxy.metrics import Metrics
+from mvproxy.devcluster.launcher import SimProcess, free_port
+from mvproxy.pki import client_context, init_pki
+
+NOW = 1_800_000_000.0
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases"
+WAIT = 15.0
+
+
+def mvproxy_lease(server_id="apiserver-b", url="https://10.0.0.2:6443", *, name=None,
+                  renew=NOW, duration=30, annotations=None) -> dict:
+    lease = own_lease(server_id, "kube-system", url, duration, renew)
+    lease["metadata"]["name"] = name or lease["metadata"]["name"]
+    if annotations is not None:
+        lease["metadata"]["annotations"] = annotations
+    return lease
+
+
+def identity_lease(name="apiserver-7f3a", address="10.0.0.9:6443", renew=NOW,
+                   duration=3600) -> dict:
+    meta = {"name": name, "namespace": "kube-system",
+            "labels": {IDENTITY_LABEL: "kube-apiserver"}, "annotations": {}}
+    if address is not None:
+        meta["annotations"][PEER_ADDRESS_ANNOTATION] = address
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": f"{name}_0b1c", "leaseDurationSeconds": duration,
+                     "renewTime": format_time(renew)}}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_an_mvproxy_lease_names_its_holder_and_url():
+    peer = parse_lease(mvproxy_lease())
+    assert (peer.server_id, peer.url, peer.expires) == ("apiserver-b", "https://10.0.0.2:6443",
+                                                         NOW + 30)
+
+
+def test_an_identity_lease_is_named_by_its_name_and_address():
+    peer = parse_lease(identity_lease())
+    assert (peer.server_id, peer.url, peer.expires) == ("apiserver-7f3a", "https://10.0.0.9:6443",
+                                                         NOW + 3600)
+    assert parse_lease(identity_lease(address="[fd00::9]:6443")).url == "https://[fd00::9]:6443"
+
+
+def test_times_round_trip_with_microseconds():
+    assert parse_time(format_time(NOW + 0.25)) == NOW + 0.25
+    assert parse_time("2026-12-01T10:00:00Z") == parse_time("2026-12-01T10:00:00.000000Z")
+
+
+def _with(lease: dict, path: str, value) -> dict:
+    *parents, leaf = path.split(".")
+    node = lease
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return lease
+
+
+BAD = [
+    ("plain http", mvproxy_lease(url="http://10.0.0.2:6443"), "bad_url"),
+    ("a path", mvproxy_lease(url="https://10.0.0.2:6443/evil"), "bad_url"),
+    ("credentials", mvproxy_lease(url="https://u:p@10.0.0.2:6443"), "bad_url"),
+    ("a query", mvproxy_lease(url="https://10.0.0.2:6443?x=1"), "bad_url"),
+    ("a bad port", mvproxy_lease(url="https://10.0.0.2:99999"), "bad_url"),
+    ("cloud metadata", mvproxy_lease(url="https://169.254.169.254"), "forbidden_address"),
+    ("unspecified", mvproxy_lease(url="https://0.0.0.0:6443"), "forbidden_address"),
+    ("multicast", mvproxy_lease(url="https://[ff02::1]:6443"), "forbidden_address"),
+    ("a huge annotation", mvproxy_lease(url="https://" + "a" * 300_000 + ".example"),
+     "bad_url"),
+    ("no annotation", mvproxy_lease(annotations={}), "bad_url"),
+    ("holder not the name", mvproxy_lease(name="mvproxy-apiserver-c"), "name_mismatch"),
+    ("holder not a DNS name", _with(mvproxy_lease(), "spec.holderIdentity", "Evil_ID"),
+     "bad_server_id"),
+    ("no duration", _with(mvproxy_lease(), "spec.leaseDurationSeconds", None), "bad_duration"),
+    ("a year long", _with(mvproxy_lease(), "spec.leaseDurationSeconds", 365 * 86400),
+     "bad_duration"),
+    ("duration true", _with(mvproxy_lease(), "spec.leaseDurationSeconds", True), "bad_duration"),
+    ("bad time", _with(mvproxy_lease(), "spec.renewTime", "yesterday"), "bad_time"),
+    ("month 13", _with(mvproxy_lease(), "spec.renewTime", "2026-13-01T00:00:00Z"), "bad_time"),
+    ("spec a list", _with(mvproxy_lease(), "spec", []), "malformed"),
+    ("labels a list", _with(mvproxy_lease(), "metadata.labels", ["x"]), "malformed"),
+    ("unlabelled", _with(mvproxy_lease(), "metadata.labels", {}), "not_membership"),
+    ("identity without address", identity_lease(address=None), "no_address"),
+    ("identity address with a path", identity_lease(address="10.0.0.9:6443/x"), "bad_url"),
+    ("identity address with creds", identity_lease(address="u@10.0.0.9:6443"), "bad_url"),
+    ("identity named badly", identity_lease(name="Not..DNS"), "bad_server_id"),
+    ("identity at link-local", identity_lease(address="[fe80::1]:6443"), "forbidden_address"),
+]
+
+
+@pytest.mark.parametrize("lease, reason", [(lease, reason) for _, lease, reason in BAD],
+                         ids=[name for name, _, _ in BAD])
+def test_a_bad_lease_is_rejected_with_a_reason(lease, reason):
+    with pytest.raises(LeaseRejected) as caught:
+        parse_lease(lease)
+    assert caught.value.reason == reason
+    assert len(str(caught.value)) < 400  # hostile input is never echoed whole
+
+
+def test_combined_membership_never_names_this_server():
+    static = StaticMembership([Peer("apiserver-b", "https://10.0.0.2:6443")])
+    dynamic = StaticMembership([Peer("apiserver-a", "https://10.0.0.9:6443"),   # our ID
+                                Peer("apiserver-x", "https://10.0.0.1:6443"),   # our URL
+                                Peer("apiserver-y", "https://10.0.0.1:8443"),   # our backend
+                                Peer("apiserver-b", "https://10.6.6.6:6443"),   # static wins
+                                Peer("apiserver-z", "https://10.0.0.2:6443/"),  # known URL
+                                Peer("apiserver-c", "https://10.0.0.3:6443")])
+    combined = CombinedMembership([static, dynamic], own_id="apiserver-a",
+                                  own_urls=["https://10.0.0.1:6443/", "https://10.0.0.1:8443"])
+    assert combined.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),
+                                Peer("apiserver-c", "https://10.0.0.3:6443"))
+
+
+# --------------------------------------------------------------------------- against a sim
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
+    root = tmp_path_factory.mktemp("leases")
+    init_pki(root / "pki", ["apiserver-a"])
+    process = SimProcess(kubernetes_version="1.36", server_id="apiserver-a",
+                         pki_dir=root / "pki", port=free_port(), store=root / "store.db",
+                         log_dir=root / "logs")
+    try:
+        process.start().wait_ready(30.0)
+        yield process
+    finally:
+        process.stop()
+
+
+def _front_proxy(sim: SimProcess) -> ssl.SSLContext:
+    pki = sim.pki_dir
+    return client_context(pki / "ca.crt", pki / "apiserver-a/front-proxy-client.crt",
+                          pki / "apiserver-a/front-proxy-client.key")
+
+
+def admin(sim: SimProcess, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """A request as the cluster admin (client certificate), for arranging state."""
+    pki = sim.pki_dir
+    ctx = client_context(pki / "ca.crt", pki / "admin.crt", pki / "admin.key")
+    request = urllib.request.Request(sim.url + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, context=ctx, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@pytest.fixture
+def clean(sim):
+    """Every test starts with no Leases."""
+    status, listed = admin(sim, "GET", LEASES)
+    for item in listed.get("items", []):
+        admin(sim, "DELETE", f"{LEASES}/{item['metadata']['name']}")
+    yield
+
+
+def member(sim, server_id: str, port: int, *, namespace="kube-system", metrics=None,
+           renew=0.3, duration=3.0, clock=time.time) -> LeaseMembership:
+    client = KubeClient(sim.url, _front_proxy(sim), server_id, timeout=5.0)
+    return LeaseMembership(client=client, server_id=server_id, namespace=namespace,
+                           url=f"https://127.0.0.1:{port}", duration=duration,
+                           renew_period=renew, identity_leases=True, metrics=metrics,
+                           clock=clock)
+
+
+@contextlib.asynccontextmanager
+async def running(*members: LeaseMembership):
+    tasks = [asyncio.create_task(m.run()) for m in members]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for m in members:
+            await m.client.close()
+
+
+async def until(probe, what: str, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_members_find_each_other_and_a_release_is_seen_at_once(sim, clean):
+    a, b = member(sim, "apiserver-a", 7001), member(sim, "apiserver-b", 7002)
+    b_task = asyncio.create_task(b.run())
+    try:
+        async with running(a):
+            await until(lambda: a.peers() == (Peer("apiserver-b", "https://127.0.0.1:7002"),),
+                        "a to see b")
+            await until(lambda: b.peers() == (Peer("apiserver-a", "https://127.0.0.1:7001"),),
+                        "b to see a")
+            status, lease = admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-b")
+            assert status == 200
+            assert lease["metadata"]["labels"] == {"app.kubernetes.io/name": "mvproxy"}
+            assert lease["metadata"]["annotations"] == {URL_ANNOTATION: "https://127.0.0.1:7002"}
+            assert lease["spec"]["holderIdentity"] == "apiserver-b"
+            renewed = lease["spec"]["renewTime"]
+            await until(lambda: admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-b")[1]["spec"]
+                        ["renewTime"] != renewed, "a renewal")
+            b_task.cancel()  # graceful shutdown: stop renewing, then delete
+            await asyncio.gather(b_task, return_exceptions=True)
+            assert await b.release()
+            assert admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-b")[0] == 404
+            # b's Lease is valid for 3 s more: only the watched deletion drops it sooner
+            await until(lambda: a.peers() == (), "a to drop b", timeout=2.0)
+    finally:
+        b_task.cancel()
+        await asyncio.gather(b_task, return_exceptions=True)
+        await b.client.close()
+
+
+async def test_a_killed_members_lease_expires_without_a_deletion(sim, clean):
+    offset = [0.0]
+    a = member(sim, "apiserver-a", 7001, clock=lambda: time.time() + offset[0])
+    b = member(sim, "apiserver-b", 7002, duration=30.0)
+    b_task = asyncio.create_task(b.run())
+    try:
+        async with running(a):
+            await until(lambda: a.peers(), "a to see b")
+            await asyncio.wait_for(b.synced.wait(), WAIT)
+            b_task.cancel()  # "killed": no release, the Lease stays
+            await asyncio.gather(b_task, return_exceptions=True)
+            assert admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-b")[0] == 200
+            assert a.peers() != ()
+            offset[0] = 31.0  # the Lease's 30 s have passed for a
+            assert a.peers() == ()
+    finally:
+        b_task.cancel()
+        await asyncio.gather(b_task, return_exceptions=True)
+        await b.client.close()
+
+
+async def test_hostile_leases_are_logged_once_counted_and_ignored(sim, clean, caplog):
+    metrics = Metrics()
+    bad = [mvproxy_lease("evil-1", "http://127.0.0.1:7009", renew=time.time()),
+           mvproxy_lease("evil-2", "https://169.254.169.254", renew=time.time()),
+           mvproxy_lease("evil-3", name="mvproxy-apiserver-c", renew=time.time()),
+           identity_lease("apiserver-old", address=None, renew=time.time())]
+    for lease in bad:
+        lease["metadata"].pop("resourceVersion", None)
+        assert admin(sim, "POST", LEASES, lease)[0] == 201
+    good = identity_lease("apiserver-builtin", address="127.0.0.1:7010", renew=time.time())
+    assert admin(sim, "POST", LEASES, good)[0] == 201
+    a = member(sim, "apiserver-a", 7001, metrics=metrics)
+    caplog.set_level(logging.INFO, logger="mvproxy.leasemembership")
+    async with running(a):
+        await until(lambda: a.peers() == (Peer("apiserver-builtin", "https://127.0.0.1:7010"),),
+                    "the built-in server's identity Lease as the only peer")
+        # the same hostile Lease modified again: counted again, not logged again
+        evil = admin(sim, "GET", f"{LEASES}/mvproxy-evil-1")[1]
+        evil["spec"]["renewTime"] = format_time(time.time())
+        assert admin(sim, "PUT", f"{LEASES}/mvproxy-evil-1", evil)[0] == 200
+        await until(lambda: _sample(metrics, "bad_url") >= 2, "the second rejection")
+    assert _sample(metrics, "forbidden_address") == 1
+    assert _sample(metrics, "name_mismatch") == 1
+    assert _sample(metrics, "no_address") == 1
+    warnings = [r for r in caplog.records if r.getMessage().startswith("ignoring a Lease")]
+    assert sorted(getattr(r, _KV_ATTR)["lease"] for r in warnings) == ["apiserver-old", "mvproxy-apiserver-c",
+                                                 "mvproxy-evil-1", "mvproxy-evil-2"]
+    assert "169.254" not in " ".join(r.getMessage() for r in warnings)  # message is fixed
+
+
+async def test_thousands_of_leases_stay_bounded(sim, clean, monkeypatch):
+    monkeypatch.setattr(leasemembership, "MAX_LEASES", 20)
+    monkeypatch.setattr(leasemembership, "MAX_PEERS", 5)
+    for i in range(30):
+        lease = mvproxy_lease(f"flood-{i:02}", f"https://127.0.0.{i + 2}:6443", renew=time.time(),
+                              duration=600)
+        lease["metadata"].pop("resourceVersion", None)
+        assert admin(sim, "POST", LEASES, lease)[0] == 201
+    metrics = Metrics()
+    a = member(sim, "apiserver-a", 7001, metrics=metrics)
+    async with running(a):
+        await until(lambda: len(a.peers()) == 5, "five peers")
+        assert [p.server_id for p in a.peers()] == [f"flood-{i:02}" for i in range(5)]
+        assert len(a._leases["app.kubernetes.io/name=mvproxy"]) <= 20
+        await until(lambda: _sample(metrics, "too_many") >= 10, "the excess counted")
+
+
+async def test_rbac_refusal_is_counted_and_retried_with_backoff(sim, clean, caplog):
+    metrics = Metrics()
+    a = member(sim, "apiserver-a", 7001, namespace="default", metrics=metrics)
+    caplog.set_level(logging.WARNING, logger="mvproxy.leasemembership")
+    async with running(a):
+        await until(lambda: metrics.membership_errors.labels("leases", "http_403")._value.get() >= 4,
+                    "repeated refusals")
+    assert a.peers() == ()
+    refusals = [r for r in caplog.records if "RBAC" in r.getMessage()]
+    assert 1 <= len(refusals) <= 3  # renew and two lists: each logged once, not per retry
+    assert admin(sim, "GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases")[1][
+        "items"] == []
+
+
+def _sample(metrics: Metrics, reason: str) -> float:
+    return metrics.membership_rejected.labels("leases", reason)._value.get()
