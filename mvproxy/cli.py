@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default=".mvproxy-demo", metavar="DIR")
     demo.add_argument("--versions", default="1.35,1.35,1.36")
     demo.add_argument("--base-port", type=int, default=16443, metavar="N")
+    demo.add_argument("--membership", choices=("static", "leases"), default="static",
+                      help="how the mvproxies find each other: static peers (default) or "
+                           "Leases through their kube-apiservers")
     return parser
 
 

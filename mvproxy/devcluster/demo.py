@@ -8,7 +8,9 @@ and all its peers:
 * one simulated kube-apiserver per version (``mvproxy sim``), all sharing one object
   store (``DIR/store.db``) as real servers share etcd, each with an audit log;
 * one ``mvproxy run --config DIR/<id>/mvproxy.yaml`` in front of each, every other
-  mvproxy listed as a static peer;
+  mvproxy listed as a static peer (``membership="static"``), or each publishing a
+  Lease through its backend and finding the others' (``membership="leases"``; then
+  ``spare_versions`` are configured but not started: ``start_member`` adds one later);
 * ``DIR/kubeconfig`` (one context per mvproxy, named by server ID, plus
   ``<id>-direct`` contexts that bypass mvproxy) and ``DIR/demo.json`` (every URL, pid,
   path and token, so scripts can find and stop any process).
@@ -64,6 +66,8 @@ READY_TIMEOUT = 30.0  # every process ready and every mvproxy converged, in tota
 STOP_TIMEOUT = 10.0  # per process group, then SIGKILL
 PROBE_TIMEOUT = 2.0
 MIN_KUBECTL = "1.30"
+MEMBERSHIPS = ("static", "leases")
+DEFAULT_LEASE_TIMING = ("15s", "5s")  # leaseDuration, renewPeriod: a killed peer leaves in 15 s
 
 ADMIN_TOKEN_USER = ("demo-admin", "demo-admin-uid", ["system:masters"])
 VIEWER_TOKEN_USER = ("demo-viewer", "demo-viewer-uid", ["viewer"])
@@ -174,6 +178,25 @@ class DemoCluster:
         running peer again.
         """
         self._restart(self.server(sid).proxy, wait, timeout)
+
+    def start_member(self, sid: str, *, timeout: float = READY_TIMEOUT) -> None:
+        """Start a member that is not running (a spare, or one stopped): its
+        kube-apiserver, then its mvproxy; return once every mvproxy sees it."""
+        server = self.server(sid)
+        deadline = time.monotonic() + timeout
+        if not server.backend.running:
+            server.backend.start()
+            server.backend.wait_ready(timeout)
+        self._restart(server.proxy, True, max(0.1, deadline - time.monotonic()))
+
+    def kill_server(self, sid: str) -> None:
+        """SIGKILL one server's mvproxy: no graceful shutdown, its Lease stays until it
+        expires."""
+        proxy = self.server(sid).proxy
+        if proxy.running and proxy.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proxy.pid, signal.SIGKILL)
+        proxy.stop(STOP_TIMEOUT)  # reaps it
 
     def stop_backend(self, sid: str) -> None:
         """Stop one server's simulated kube-apiserver (its mvproxy keeps running)."""
@@ -391,7 +414,8 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def _mvproxy_config(sid: str, ports: tuple[int, int, int],
-                    peers: Sequence[tuple[str, int]], poll_interval: str) -> str:
+                    peers: Sequence[tuple[str, int]], poll_interval: str,
+                    lease_timing: tuple[str, str] | None = None) -> str:
     proxy_port, backend_port, admin_port = ports
     pki = f"../pki/{sid}"
     doc: dict[str, Any] = {
@@ -410,12 +434,18 @@ def _mvproxy_config(sid: str, ports: tuple[int, int, int],
             "keyFile": f"{pki}/front-proxy-client.key",
         },
     }
-    if peers:
+    if peers or lease_timing:
         # Peers are proven by the front-proxy CA, which signs only proxies (DESIGN.md
         # "Identity"); their serving certificates by the cluster CA.
         doc["peer"] = {"caFile": "../pki/ca.crt", "clientCAFile": "../pki/front-proxy-ca.crt",
                        "certFile": f"{pki}/front-proxy-client.crt",
                        "keyFile": f"{pki}/front-proxy-client.key"}
+    if lease_timing:
+        # Each mvproxy publishes its URL in a Lease through its backend (shared store).
+        doc["peer"]["advertiseURL"] = f"https://{HOST}:{proxy_port}"
+        doc["peers"] = {"leases": {"enabled": True, "leaseDuration": lease_timing[0],
+                                   "renewPeriod": lease_timing[1]}}
+    elif peers:
         doc["peers"] = {"static": [{"serverID": pid, "url": f"https://{HOST}:{port}"}
                                    for pid, port in peers]}
     doc["discovery"] = {"pollInterval": poll_interval}
@@ -454,6 +484,9 @@ def start_cluster(
     poll_interval: str = "1s",
     extra_sim_args: Mapping[str, Sequence[str]] | None = None,
     timeout: float = READY_TIMEOUT,
+    membership: str = "static",
+    lease_timing: tuple[str, str] = DEFAULT_LEASE_TIMING,
+    spare_versions: Sequence[str] = (),
 ) -> DemoCluster:
     """Start the demo control plane in ``directory``; return once it has converged.
 
@@ -464,7 +497,14 @@ def start_cluster(
     from mvproxy.devcluster.kubeconfig import write_kubeconfig
     from mvproxy.pki import init_pki
 
-    versions = parse_versions(versions)
+    if membership not in MEMBERSHIPS:
+        raise UsageError(f"--membership: must be one of {', '.join(MEMBERSHIPS)}, "
+                         f"got {membership!r}")
+    if spare_versions and membership != "leases":
+        raise UsageError("spare servers need lease membership (static peers are fixed)")
+    started = len(parse_versions(versions))
+    versions = parse_versions([*parse_versions(versions), *spare_versions]
+                              if spare_versions else versions)
     ids = [server_id(i) for i in range(len(versions))]
     extra = dict(extra_sim_args or {})
     unknown = sorted(set(extra) - set(ids))
@@ -506,7 +546,9 @@ def start_cluster(
         sub.mkdir(exist_ok=True)
         config = sub / "mvproxy.yaml"
         peers = [(other, ports[j][0]) for j, other in enumerate(ids) if j != index]
-        config.write_text(_mvproxy_config(sid, triple, peers, poll_interval), "utf-8")
+        config.write_text(_mvproxy_config(
+            sid, triple, peers, poll_interval,
+            lease_timing if membership == "leases" else None), "utf-8")
         audit = sub / "audit.log"
         backend = SimProcess(
             kubernetes_version=version, server_id=sid, pki_dir=pki, port=triple[1],
@@ -538,13 +580,14 @@ def start_cluster(
                           root / "demo.json")
     try:
         # In parallel: every process starts at once, then we wait for all of them.
-        for server in servers:
+        first = servers[:started]  # spares wait for start_member
+        for server in first:
             server.backend.start()
-        for server in servers:
+        for server in first:
             server.proxy.start()
         cluster.write_state()
         deadline = time.monotonic() + timeout
-        for process in [s.backend for s in servers] + [s.proxy for s in servers]:
+        for process in [s.backend for s in first] + [s.proxy for s in first]:
             process.wait_ready(max(0.1, deadline - time.monotonic()))
         cluster.wait_converged(max(0.1, deadline - time.monotonic()))
     except BaseException:
@@ -657,7 +700,8 @@ def run_demo(args: argparse.Namespace) -> int:
               flush=True)
         started = time.monotonic()
         try:
-            cluster = start_cluster(directory, versions, args.base_port)
+            cluster = start_cluster(directory, versions, args.base_port,
+                                    membership=getattr(args, "membership", "static"))
         except KeyboardInterrupt:
             print("mvproxy demo: interrupted during startup; stopped everything.",
                   file=sys.stderr, flush=True)

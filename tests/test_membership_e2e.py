@@ -1,0 +1,79 @@
+"""Lease membership end to end: ``mvproxy demo`` processes (three 1.35 servers with
+``peers.leases``, one 1.36 spare started later), loopback, free ports, short intervals.
+
+Only the 1.36 server serves ``scheduling.k8s.io/v1alpha2`` (PodGroups), so a request
+for it through an old server's mvproxy works exactly when that mvproxy counts the new
+server as a peer. Every wait is bounded; no assertion depends on how fast it happened.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mvproxy.devcluster.demo import DemoCluster, start_cluster
+from tests.e2e_support import AGGREGATED_V2, aggregated_group_versions, request, wait_until
+
+PODGROUPS = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups"
+LEASE = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/mvproxy-apiserver-3"
+NEW_GV = ("scheduling.k8s.io", "v1alpha2")
+OLD, NEW = "apiserver-0", "apiserver-3"
+CHANGE_TIMEOUT = 10.0  # generous bound; the mechanism (watch, expiry) is asserted separately
+
+
+def merged(cluster: DemoCluster, sid: str) -> dict:
+    answer = request(cluster, sid, "GET", "/apis", headers={"Accept": AGGREGATED_V2})
+    assert answer.status == 200, answer
+    return aggregated_group_versions(answer.json())
+
+
+def lease_status(cluster: DemoCluster) -> int:
+    """The new member's Lease, read directly from an old server's kube-apiserver."""
+    return request(cluster, OLD, "GET", LEASE, direct=True).status
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with start_cluster(tmp_path / "demo", ["1.35", "1.35", "1.35"], base_port=0,
+                       poll_interval="500ms", membership="leases",
+                       lease_timing=("3s", "1s"), spare_versions=["1.36"]) as cluster:
+        yield cluster
+
+
+def test_members_join_and_leave_through_leases(cluster):
+    assert request(cluster, OLD, "GET", PODGROUPS).status == 404
+    assert NEW_GV not in merged(cluster, OLD)
+
+    # A fourth server starts: no mvproxy is restarted or reconfigured.
+    new = cluster.server(NEW)
+    new.backend.start().wait_ready(30.0)
+    new.proxy.start().wait_ready(30.0)
+    started = time.monotonic()
+    wait_until(lambda: request(cluster, OLD, "GET", PODGROUPS).status == 200,
+               "a request for an API only the new server serves, through an old mvproxy",
+               CHANGE_TIMEOUT)
+    print(f"routed to the new member {time.monotonic() - started:.2f}s after it was ready")
+    for sid in ("apiserver-1", "apiserver-2"):
+        assert NEW_GV in merged(cluster, sid)
+    assert lease_status(cluster) == 200
+
+    # Graceful stop (SIGTERM): the Lease is deleted, so peers drop it without waiting
+    # for it to expire.
+    cluster.stop_server(NEW)
+    assert lease_status(cluster) == 404
+    wait_until(lambda: NEW_GV not in merged(cluster, OLD),
+               "the stopped member's APIs to leave the merged view", CHANGE_TIMEOUT)
+    assert request(cluster, OLD, "GET", PODGROUPS).status in (404, 503)
+
+    # Back again, then killed (SIGKILL): the Lease stays, and expires.
+    cluster.start_member(NEW)
+    assert NEW_GV in merged(cluster, OLD)
+    cluster.kill_server(NEW)
+    assert lease_status(cluster) == 200  # nobody deleted it
+    wait_until(lambda: NEW_GV not in merged(cluster, OLD),
+               "the killed member's APIs to leave the merged view once its Lease expired",
+               CHANGE_TIMEOUT)
+    assert lease_status(cluster) == 200  # expiry, not deletion, removed it
+    state = cluster.debug_state(OLD)
+    assert NEW not in (state.get("peers") or {}), state
