@@ -35,6 +35,7 @@ from mvproxy.handlers import Proxy
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
 from mvproxy.listener import Limits, Listener
 from mvproxy.logs import kv
+from mvproxy.dnsmembership import DNSMembership
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
@@ -64,6 +65,8 @@ class Daemon:
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
     leases: LeaseMembership | None = None
     """Lease membership (``peers.leases``): run beside the poller, released on shutdown."""
+    dns: DNSMembership | None = None
+    """DNS membership (``peers.dns``): run beside the poller."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -103,13 +106,14 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
         anonymous=Upstream("backend", backend_url, pki.client_context(cfg.backend.ca_file),
                            presents_certificate=False))
     membership_changed = asyncio.Event()
-    leases = _lease_membership(cfg, metrics, membership_changed.set)
-    membership = CombinedMembership(
-        [StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
-         *([leases] if leases else [])],
-        own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
     peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
                 if cfg.peers or cfg.membership.dynamic else None)
+    leases = _lease_membership(cfg, metrics, membership_changed.set)
+    dns = _dns_membership(cfg, metrics, membership_changed.set, peer_ssl)
+    membership = CombinedMembership(
+        [StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
+         *[source for source in (leases, dns) if source is not None]],
+        own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
@@ -150,7 +154,17 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event(), leases)
+                  poller, proxy, identity, limits, asyncio.Event(), leases, dns)
+
+
+def _dns_membership(cfg: Config, metrics: Metrics, on_change,
+                    peer_ssl: ssl.SSLContext | None) -> DNSMembership | None:
+    dns = cfg.membership.dns
+    if dns.name is None or peer_ssl is None:
+        return None
+    return DNSMembership(name=dns.name, port=dns.port, interval=dns.interval,
+                         ssl_context=peer_ssl, timeout=cfg.timeouts.connect, metrics=metrics,
+                         on_change=on_change)
 
 
 def _lease_membership(cfg: Config, metrics: Metrics, on_change) -> LeaseMembership | None:
@@ -221,6 +235,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
         leases.hold = False  # one Lease per member: worker 0 holds it, all follow
     lease_task = (asyncio.create_task(leases.run(), name="mvproxy-leases")
                   if leases is not None else None)
+    dns_task = (asyncio.create_task(daemon.dns.run(), name="mvproxy-dns")
+                if daemon.dns is not None else None)
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
     listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
                         limits=daemon.limits,
@@ -252,6 +268,9 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
                                      max_connections=daemon.limits.max_connections))
         yield ports
     finally:
+        if dns_task is not None:
+            dns_task.cancel()
+            await asyncio.gather(dns_task, return_exceptions=True)
         if lease_task is not None:  # first: peers stop routing here while we drain
             lease_task.cancel()
             await asyncio.gather(lease_task, return_exceptions=True)

@@ -451,7 +451,9 @@ class PeersConfig:
 
     @property
     def dynamic(self) -> bool:
-        return self.leases.enabled or self.dns.name is not None
+        """Whether Leases or DNS are used (a value already reported as invalid is not)."""
+        return (isinstance(self.leases, LeasesConfig) and self.leases.enabled is True) or \
+            (isinstance(self.dns, DNSConfig) and isinstance(self.dns.name, str))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -645,7 +647,7 @@ def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
 def _check_dynamic(v: dict[str, Any], ctx: _Context) -> None:
     """Leases are written with the backend's client certificate, and name this server."""
     leases = v["membership"].leases
-    if not _valid(leases) or not leases.enabled:
+    if not _valid(leases) or leases.enabled is not True:
         return
     if _valid(v["peer"]) and v["peer"].advertise_url is None:
         ctx.add("peer.advertiseURL", "required when peers.leases.enabled is true")
