@@ -175,20 +175,30 @@ class LeaseMembership:
     # ------------------------------------------------------------------ following
 
     async def _follow(self, selector: str) -> None:
+        """List, then watch; every retry, even after a clean end or a 410, waits a
+        backoff unless the previous watch delivered events, so a backend that ends
+        every stream at once (or answers 410 forever) cannot make this spin."""
         retry = _MIN_RETRY
         while True:
             try:
                 rv = await self._list(selector)
                 self._recovered(f"list {selector}")
                 while True:
-                    rv = await self._watch(selector, rv)
-                    retry = _MIN_RETRY
+                    rv, events = await self._watch(selector, rv)
+                    if events:
+                        retry = _MIN_RETRY
+                        continue
+                    await self._pause(retry)
+                    retry = min(retry * 2, _MAX_RETRY)
             except _Gone:
                 log.info("lease watch expired; listing again", extra=kv(selector=selector))
             except KubeError as exc:
                 self._failed(f"list {selector}", exc)
-                await asyncio.sleep(retry * self._rng.uniform(0.8, 1.2))
-                retry = min(retry * 2, _MAX_RETRY)
+            await self._pause(retry)
+            retry = min(retry * 2, _MAX_RETRY)
+
+    async def _pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds * self._rng.uniform(0.8, 1.2))
 
     async def _list(self, selector: str) -> str:
         status, body = await self.client.request("GET", self._path,
@@ -209,7 +219,7 @@ class LeaseMembership:
             self.synced.set()
         return rv
 
-    async def _watch(self, selector: str, rv: str) -> str:
+    async def _watch(self, selector: str, rv: str) -> tuple[str, int]:
         params = {"labelSelector": selector, "resourceVersion": rv,
                   "allowWatchBookmarks": "true",
                   "timeoutSeconds": str(self._rng.randint(300, 600))}
@@ -217,8 +227,10 @@ class LeaseMembership:
         async with contextlib.aclosing(self.client.watch(self._path, params, 660.0)) as events:
             return await self._consume(selector, rv, events)
 
-    async def _consume(self, selector: str, rv: str, events) -> str:
+    async def _consume(self, selector: str, rv: str, events) -> tuple[str, int]:
+        seen = 0
         async for event in events:
+            seen += 1
             kind, obj = event.get("type"), event.get("object")
             if kind == "ERROR":
                 if isinstance(obj, dict) and obj.get("code") == 410:
@@ -238,7 +250,7 @@ class LeaseMembership:
                     self._changed()
             elif kind != "BOOKMARK":
                 raise KubeError(200, "malformed", "unknown watch event type")
-        return rv
+        return rv, seen
 
     def _take(self, store: dict[str, LeasePeer], obj: object) -> None:
         name = ((obj.get("metadata") or {}) if isinstance(obj, dict) else {}).get("name")

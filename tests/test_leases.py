@@ -328,3 +328,111 @@ async def test_rbac_refusal_is_counted_and_retried_with_backoff(sim, clean, capl
 
 def _sample(metrics: Metrics, reason: str) -> float:
     return metrics.membership_rejected.labels("leases", reason)._value.get()
+
+
+# --------------------------------------------------------------------------- a hostile backend
+
+
+@contextlib.asynccontextmanager
+async def tls_app(sim: SimProcess, routes):
+    """An aiohttp app on 127.0.0.1 serving the sim's certificate (real TLS)."""
+    from aiohttp import web
+
+    from mvproxy.pki import server_context
+
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    pki = sim.pki_dir / "apiserver-a"
+    site = web.TCPSite(runner, "127.0.0.1", 0,
+                       ssl_context=server_context(pki / "apiserver.crt", pki / "apiserver.key"))
+    await site.start()
+    try:
+        yield f"https://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_oversized_answers_are_errors_not_buffers(sim):
+    from aiohttp import web
+
+    async def huge_list(request):
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(40):  # 10 MiB, no Content-Length: the reader must stop on its own
+            await response.write(b" " * (256 << 10))
+        return response
+
+    async def endless_line(request):
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(8):
+            await response.write(b"x" * (256 << 10))  # 2 MiB and no newline
+        return response
+
+    async with tls_app(sim, {"/list": huge_list, "/watch": endless_line}) as url:
+        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+        try:
+            with pytest.raises(leasemembership.KubeError) as caught:
+                await client.request("GET", "/list")
+            assert caught.value.reason == "too_large"
+            with pytest.raises(leasemembership.KubeError) as caught:
+                async for _ in client.watch("/watch", {}, 10.0):
+                    pass
+            assert caught.value.reason == "too_large"
+        finally:
+            await client.close()
+
+
+async def test_a_410_gone_watch_lists_again(sim):
+    from aiohttp import web
+
+    lists = []
+
+    async def leases(request):
+        if request.query.get("watch") != "true":
+            lists.append(request.query.get("labelSelector"))
+            return web.json_response({"kind": "LeaseList", "metadata": {"resourceVersion": "5"},
+                                      "items": [mvproxy_lease(renew=time.time())]})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(json.dumps({"type": "ERROR", "object": {
+            "kind": "Status", "code": 410, "reason": "Expired"}}).encode() + b"\n")
+        return response
+
+    async with tls_app(sim, {LEASES: leases, f"{LEASES}/{{name}}": leases}) as url:
+        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
+                            url="https://127.0.0.1:7001", duration=30.0, renew_period=10.0,
+                            identity_leases=False)
+        m.hold = False
+        async with running(m):
+            await until(lambda: len(lists) >= 3, "lists after each 410")
+            assert m.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),)
+
+
+async def test_a_backend_that_ends_every_watch_at_once_is_not_hammered(sim):
+    from aiohttp import web
+
+    watches = []
+
+    async def leases(request):
+        if request.query.get("watch") != "true":
+            return web.json_response({"kind": "LeaseList", "metadata": {"resourceVersion": "5"},
+                                      "items": []})
+        watches.append(time.monotonic())
+        return web.Response(text="")  # 200, and the stream is over
+
+    async with tls_app(sim, {LEASES: leases}) as url:
+        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
+                            url="https://127.0.0.1:7001", duration=30.0, renew_period=10.0,
+                            identity_leases=False)
+        m.hold = False
+        async with running(m):
+            await until(lambda: len(watches) >= 4, "four empty watches")
+    # A sleep never ends early, so these are lower bounds, not races: the pauses double.
+    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    assert gaps[2] >= 0.8 * leasemembership._MIN_RETRY * 4, gaps

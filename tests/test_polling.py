@@ -638,3 +638,23 @@ async def test_run_survives_a_broken_membership_source(harness, caplog):
             await runner
     assert len(calls) >= 2
     assert poll_tasks() == set()
+
+
+async def test_a_membership_change_is_reconciled_at_once_not_after_the_interval(harness, docs136):
+    h = await harness({PEER_B: FakeServer(docs136)})  # a 30 s interval: the wake must do it
+    h.poller._wake = wake = asyncio.Event()
+    runner = asyncio.create_task(h.poller.run())
+    try:
+        await wait_until(lambda: h.cache.view().synced, "the first polls")
+        h.upstreams[PEER_C] = Upstream(PEER_C, h.fakes[PEER_B].url,
+                                       h.upstreams[PEER_B].ssl_context, is_peer=True)
+        wake.set()  # what a Lease or DNS source does when its peers change
+        await wait_until(lambda: PEER_C in h.cache.view().reachable, "the joining peer polled")
+        del h.upstreams[PEER_B]
+        wake.set()
+        await wait_until(lambda: h.cache.state(PEER_B) is None, "the leaving peer dropped")
+        assert PEER_B not in h.cache.view().peers
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
