@@ -43,8 +43,10 @@ def check_config(path: str, overrides: dict[str, object], *, manifest: str | Non
             raise UsageError(f"--kube-apiserver-manifest: cannot read {manifest}: {exc}") from None
         for warning in builtinmvp.warnings_for(text, manifest):
             print(f"warning: {warning}", file=sys.stderr)
+    dynamic = "".join(f", peers from {what}" for what, on in (
+        ("Leases", cfg.membership.leases.enabled), ("DNS", cfg.membership.dns.name)) if on)
     print(f"{path}: configuration is valid (serverID {cfg.server_id!r}, "
-          f"{len(cfg.peers)} static peer{'s' if len(cfg.peers) != 1 else ''})")
+          f"{len(cfg.peers)} static peer{'s' if len(cfg.peers) != 1 else ''}{dynamic})")
     return 0
 
 

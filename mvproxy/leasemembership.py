@@ -296,6 +296,8 @@ class LeaseMembership:
     def _failed(self, what: str, exc: KubeError) -> None:
         if self._metrics is not None:
             self._metrics.membership_errors.labels("leases", exc.reason).inc()
+            if what.startswith("list"):  # upstream's name for a failed Lease list or watch
+                self._metrics.discovery_sync_errors.labels("lease_list").inc()
         if self._failing.get(what) != exc.reason:  # log a new failure once, not every retry
             self._failing[what] = exc.reason
             hint = (" (RBAC: see README 'Membership')" if exc.status == 403 else "")

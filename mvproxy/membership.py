@@ -1,8 +1,9 @@
 """Who the peers are.
 
-Polling asks ``peers()`` at every round, so a membership source only has to keep
-its answer current. Only static membership (``peers.static`` / ``--peer``) exists
-today; DNS and Lease-based sources will implement the same one-method interface.
+Polling asks ``peers()`` at every round (and at once when a dynamic source reports a
+change), routing at every request, so a source only has to keep its answer current
+and cheap. Sources: static (``peers.static`` / ``--peer``, here), Leases
+(``leasemembership``) and DNS (``dnsmembership``); ``CombinedMembership`` joins them.
 """
 
 from __future__ import annotations

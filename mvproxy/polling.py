@@ -13,7 +13,8 @@ upstream's ``apiserver_peer_discovery_sync_errors_total{type}`` for peers only (
 polls only peers; the backend's failures show in the first counter and in readiness):
 ``hostport_resolution`` once per poll whose peer address did not resolve, else
 ``fetch_discovery`` once per failed ``/api`` or ``/apis`` fetch, as upstream.
-``lease_list`` never moves: membership is static, there is no Lease list to fail.
+``lease_list`` is counted by Lease membership (``leasemembership``) when a Lease list
+or watch fails; with static or DNS membership it never moves.
 """
 
 from __future__ import annotations

@@ -320,6 +320,7 @@ async def test_rbac_refusal_is_counted_and_retried_with_backoff(sim, clean, capl
         await until(lambda: metrics.membership_errors.labels("leases", "http_403")._value.get() >= 4,
                     "repeated refusals")
     assert a.peers() == ()
+    assert metrics.discovery_sync_errors.labels("lease_list")._value.get() >= 1  # upstream's
     refusals = [r for r in caplog.records if "RBAC" in r.getMessage()]
     assert 1 <= len(refusals) <= 3  # renew and two lists: each logged once, not per retry
     assert admin(sim, "GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases")[1][
@@ -436,3 +437,18 @@ async def test_a_backend_that_ends_every_watch_at_once_is_not_hammered(sim):
     # A sleep never ends early, so these are lower bounds, not races: the pauses double.
     gaps = [b - a for a, b in zip(watches, watches[1:])]
     assert gaps[2] >= 0.8 * leasemembership._MIN_RETRY * 4, gaps
+
+
+async def test_the_membership_identity_may_touch_leases_and_nothing_else(sim):
+    client = KubeClient(sim.url, _front_proxy(sim), "apiserver-a", timeout=5.0)
+    try:
+        assert (await client.request("GET", LEASES))[0] == 200
+        for path in ("/api/v1/namespaces/kube-system/secrets", "/api/v1/nodes",
+                     "/apis/coordination.k8s.io/v1/namespaces/default/leases"):
+            status, body = await client.request("GET", path)
+            assert status == 403, path
+            assert 'User "system:mvproxy:apiserver-a"' in body["message"]
+        status, _ = await client.request("PATCH", f"{LEASES}/x", body={})
+        assert status == 403
+    finally:
+        await client.close()

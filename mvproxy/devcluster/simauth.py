@@ -72,7 +72,7 @@ _READ_VERBS = frozenset(("get", "list", "watch"))
 #: README's Role grants it: Leases in kube-system, nothing else (a stand-in for RBAC).
 MVPROXY_GROUP = "system:mvproxies"
 MVPROXY_LEASE_NAMESPACE = "kube-system"
-_LEASE_VERBS = frozenset(("get", "list", "watch", "create", "update", "patch", "delete"))
+_LEASE_VERBS = frozenset(("get", "list", "watch", "create", "update", "delete"))
 #: Upgrading GETs that start a session; kube also requires ``create`` for them.
 _SESSION_SUBRESOURCES = frozenset(("exec", "attach", "portforward"))
 
