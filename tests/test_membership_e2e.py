@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from mvproxy.config import load_config
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 from tests.e2e_support import AGGREGATED_V2, aggregated_group_versions, request, wait_until
 
@@ -41,7 +42,20 @@ def cluster(tmp_path):
         yield cluster
 
 
+def test_the_demo_flag_and_its_configuration():
+    from mvproxy.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).membership == "static"
+    assert build_parser().parse_args(["demo", "--membership", "leases"]).membership == "leases"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--membership", "gossip"])
+
+
 def test_members_join_and_leave_through_leases(cluster):
+    for server in cluster.servers:  # what `mvproxy demo --membership leases` writes
+        cfg = load_config(server.config)
+        assert cfg.membership.leases.enabled and cfg.peers == ()
+        assert cfg.peer.advertise_url == server.proxy_url
     assert request(cluster, OLD, "GET", PODGROUPS).status == 404
     assert NEW_GV not in merged(cluster, OLD)
 
