@@ -111,8 +111,8 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     leases = _lease_membership(cfg, metrics, membership_changed.set)
     dns = _dns_membership(cfg, metrics, membership_changed.set, peer_ssl)
     membership = CombinedMembership(
-        [StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
-         *[source for source in (leases, dns) if source is not None]],
+        StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
+        [source for source in (leases, dns) if source is not None],
         own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,

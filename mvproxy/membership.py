@@ -37,12 +37,13 @@ class StaticMembership:
 
 
 class CombinedMembership:
-    """Several sources as one: the first source naming a server ID wins (static first),
-    and this server's own ID or URLs are never a peer, whatever a source says."""
+    """Several sources as one: the first source naming a server ID or URL wins (static
+    first). This server's own ID is never a peer; neither are its own URLs (advertised,
+    backend) when a dynamic source names them (a static peer is the operator's word)."""
 
-    def __init__(self, sources: Iterable[Membership], *, own_id: str,
+    def __init__(self, static: Membership, dynamic: Iterable[Membership], *, own_id: str,
                  own_urls: Iterable[str] = ()):
-        self._sources = tuple(sources)
+        self._sources = (static, *dynamic)
         self._own_id = own_id
         self._own_urls = frozenset(normalise_url(u) for u in own_urls)
         self._last: tuple[tuple[Peer, ...], ...] | None = None
@@ -57,11 +58,11 @@ class CombinedMembership:
     def _combine(self, answers: tuple[tuple[Peer, ...], ...]) -> tuple[Peer, ...]:
         chosen: dict[str, Peer] = {}
         urls: set[str] = set()
-        for answer in answers:
+        for index, answer in enumerate(answers):
             for peer in answer:
                 url = normalise_url(peer.url)
-                if peer.server_id == self._own_id or url in self._own_urls \
-                        or peer.server_id in chosen or url in urls:
+                if peer.server_id == self._own_id or peer.server_id in chosen \
+                        or url in urls or (index and url in self._own_urls):
                     continue
                 chosen[peer.server_id] = peer
                 urls.add(url)

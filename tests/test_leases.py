@@ -131,10 +131,14 @@ def test_combined_membership_never_names_this_server():
                                 Peer("apiserver-b", "https://10.6.6.6:6443"),   # static wins
                                 Peer("apiserver-z", "https://10.0.0.2:6443/"),  # known URL
                                 Peer("apiserver-c", "https://10.0.0.3:6443")])
-    combined = CombinedMembership([static, dynamic], own_id="apiserver-a",
+    combined = CombinedMembership(static, [dynamic], own_id="apiserver-a",
                                   own_urls=["https://10.0.0.1:6443/", "https://10.0.0.1:8443"])
     assert combined.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),
                                 Peer("apiserver-c", "https://10.0.0.3:6443"))
+    # A static peer is the operator's word, even at a URL of ours (tests do that).
+    operator = StaticMembership([Peer("apiserver-b", "https://10.0.0.1:8443")])
+    assert CombinedMembership(operator, [], own_id="apiserver-a",
+                              own_urls=["https://10.0.0.1:8443"]).peers() == operator.peers()
 
 
 # --------------------------------------------------------------------------- against a sim
