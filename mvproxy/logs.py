@@ -142,7 +142,12 @@ def configure(fmt: str = "text", verbosity: int = 2, stream: TextIO | None = Non
             root.removeHandler(old)
     handler._mvproxy = True  # type: ignore[attr-defined]
     root.addHandler(handler)
-    root.setLevel(V(verbosity))
+    set_verbosity(verbosity)
+
+
+def set_verbosity(verbosity: int) -> None:
+    """The klog-style level, also live (SIGHUP); libraries stay quiet below 6."""
+    logging.getLogger().setLevel(V(verbosity))
     library_level = V(verbosity) if verbosity >= 6 else logging.WARNING
     for name in ("aiohttp", "asyncio"):
         logging.getLogger(name).setLevel(library_level)
