@@ -13,7 +13,6 @@ bounded loops; nothing asserts on durations.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import aiohttp
