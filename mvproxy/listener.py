@@ -46,7 +46,7 @@ from mvproxy import wire
 from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
-from mvproxy.logs import V, kv
+from mvproxy.logs import V, kv, throttled
 from mvproxy.requestcheck import Refusal, check_request
 
 log = logging.getLogger(__name__)
@@ -645,8 +645,8 @@ class DownstreamConnection(FlowControl):
             self.close() if exchange.finished else self.abort()
             return
         if failure is not None:
-            log.error("request handler failed", exc_info=failure,
-                      extra=kv(method=exchange.method, started=exchange.started))
+            throttled.log(log, logging.ERROR, "request handler failed", exc_info=failure,
+                          method=exchange.method, started=exchange.started)
         if failure is not None or not exchange.finished:
             if exchange.started:
                 self.abort()  # a truncated response, never a wrong one

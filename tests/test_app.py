@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -281,3 +282,24 @@ async def test_a_peer_that_refuses_connections_fails_over_to_the_next(aiohttp_se
         assert failovers is not None and failovers >= 1
         assert await c.metric("apiserver_rerouted_request_total", code="200",
                               **PODGROUPS_GVR) == 12
+
+
+async def test_a_dead_backend_writes_one_warning_not_one_per_request(aiohttp_server, root,
+                                                                     caplog, monkeypatch):
+    """Request-path warnings are throttled (``logs.throttled``): 20 discovery requests
+    that the stopped backend cannot answer give 20 503s and one warning line."""
+    from mvproxy.logs import throttled
+
+    monkeypatch.setattr(throttled, "_last", {})
+    monkeypatch.setattr(throttled, "_suppressed", {})
+    nopeer = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList;profile=nopeer"
+    async with cluster(aiohttp_server, root) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        await c.backend_server.close()
+        with caplog.at_level(logging.WARNING):
+            for _ in range(20):
+                status, _, _ = await c.get("/apis", headers={"Accept": nopeer})
+                assert status == 503
+    lines = [r for r in caplog.records if r.getMessage() == "backend discovery request failed"]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
