@@ -31,15 +31,17 @@ def health_response(request: web.Request, name: str, checks: list[Check]) -> web
 
 
 def readiness_checks(cache: DiscoveryCache, draining: asyncio.Event) -> list[Check]:
-    """Ready once the backend and every peer have been polled, while the backend
-    answers, and until shutdown begins (so load balancers drain us first)."""
-    view = cache.view()
-    unpolled = [s.server_id for s in (view.backend, *view.peers.values()) if not s.polled]
-    backend_ok = not view.backend.polled or view.backend.reachable
+    """Ready = the backend's discovery is held and its polls succeed, until shutdown
+    begins (so load balancers drain us first). Peers never make a member unready: a
+    member whose peers are down still serves everything its backend serves, and
+    taking every member out because one peer is down would take the control plane
+    down with it. Until every peer is polled once, requests go to the backend."""
+    backend = cache.view().backend
     return [("ping", True, ""),
-            ("discovery-synced", view.synced,
-             "not yet polled: " + ", ".join(unpolled) if unpolled else ""),
-            ("backend-reachable", backend_ok, "discovery polls of the backend are failing"),
+            ("backend-synced", backend.snapshot is not None,
+             "the backend's discovery has not been fetched yet"),
+            ("backend-reachable", not backend.polled or backend.reachable,
+             "discovery polls of the backend are failing"),
             ("shutdown", not draining.is_set(), "shutting down")]
 
 

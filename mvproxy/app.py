@@ -20,12 +20,12 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from mvproxy import pki
+from mvproxy import pki, reload
 from mvproxy.admin import build_admin_app
 from mvproxy.cache import DiscoveryCache
 from mvproxy.config import Config
@@ -60,6 +60,9 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    membership: StaticMembership
+    peer_ssl: ssl.SSLContext | None
+    """Client context toward peers (None: started without peer TLS material)."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -100,7 +103,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                            presents_certificate=False))
     membership = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
     peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
-                if cfg.peers else None)
+                if cfg.peer.ca_file and cfg.peer.cert_file and cfg.peer.key_file else None)
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
@@ -141,7 +144,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event())
+                  poller, proxy, identity, limits, asyncio.Event(), membership, peer_ssl)
 
 
 FD_RESERVE = 128
@@ -268,17 +271,37 @@ async def _start(runner: web.AppRunner, host: str, port: int,
     return runner.addresses[-1][1]
 
 
-async def serve(daemon: Daemon, worker: WorkerRole | None = None) -> None:
+async def serve(daemon: Daemon, worker: WorkerRole | None = None, *,
+                load: Callable[[], Config] | None = None) -> None:
     """Run until SIGTERM or SIGINT (a worker also: until its supervisor is gone), then
-    drain and return (exit status 0)."""
+    fail /readyz, keep serving for ``timeouts.shutdownDelay``, drain and return (exit
+    status 0). With ``load``, SIGHUP re-reads the configuration (``reload``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if load is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: reload.reload(daemon, load))
     if worker is not None:
         _stop_when_closed(sys.stdin.fileno(), stop)
     async with running(daemon, worker):
         await stop.wait()
+        await _shutdown_delay(daemon, stop)
+
+
+async def _shutdown_delay(daemon: Daemon, stop: asyncio.Event) -> None:
+    """/readyz fails at once; new requests are still served for ``shutdownDelay`` so load
+    balancers take this member out before it refuses connections. A second signal
+    ends the wait."""
+    daemon.draining.set()
+    delay = daemon.config.timeouts.shutdown_delay
+    if delay <= 0:
+        return
+    log.info("shutting down: /readyz fails; serving for the shutdown delay first",
+             extra=kv(seconds=delay))
+    stop.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
 
 
 def _stop_when_closed(fd: int, stop: asyncio.Event) -> None:

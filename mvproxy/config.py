@@ -459,6 +459,11 @@ class TimeoutsConfig:
     kube-apiserver's default ``--request-timeout``."""
     shutdown_grace_period: float = _key("shutdownGracePeriod", _duration(allow_zero=True), default=30.0)
     """Seconds SIGTERM waits for in-flight requests before closing them (30s; 0: at once)."""
+    shutdown_delay: float = _key("shutdownDelay", _duration(allow_zero=True), default=0.0)
+    """Seconds between SIGTERM and closing the listener (0s, kube-apiserver's
+    ``--shutdown-delay-duration`` default): ``/readyz`` fails at once and new requests
+    are still served meanwhile, so load balancers notice before connections are refused.
+    Beside kube-apiserver, use the same value as its flag."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,9 +13,10 @@ lists the workers. It asks each worker over a Unix socket in the abstract namesp
 answering is that worker. A worker that dies is started again after a back-off (1 s,
 doubling to 30 s). A worker that exits with status 2 (bad input, such as a port it
 cannot bind) ends the whole process with status 2: a restart cannot fix that.
-SIGTERM is passed on to the workers, which drain as a single process does; any still
-running after the grace period plus a margin is killed. A worker whose supervisor
-dies sees its stdin pipe close and shuts down too.
+SIGTERM and SIGHUP are passed on to the workers, which drain or reload as a single
+process does; after SIGTERM any still running after the shutdown delay, the grace
+period and a margin is killed. A worker whose supervisor dies sees its stdin pipe
+close and shuts down too.
 """
 
 from __future__ import annotations
@@ -158,8 +159,9 @@ class Supervisor:
         waits = [asyncio.ensure_future(p.wait()) for p in live]
         if not waits:
             return
+        timeouts = self.config.timeouts
         _, late = await asyncio.wait(
-            waits, timeout=self.config.timeouts.shutdown_grace_period + STOP_MARGIN)
+            waits, timeout=timeouts.shutdown_delay + timeouts.shutdown_grace_period + STOP_MARGIN)
         for process in live:
             if process.returncode is None:
                 log.warning("worker did not stop in time; killing it", extra=kv(pid=process.pid))
@@ -167,6 +169,14 @@ class Supervisor:
                     process.kill()
         if late:
             await asyncio.wait(late)
+
+    def reload(self) -> None:
+        """SIGHUP: each worker re-reads the configuration file itself (``reload``); a
+        worker started later reads the new file anyway."""
+        for worker in self.workers:
+            if worker.process and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGHUP)
 
     # ---------------------------------------------------------------- asking workers
 
@@ -293,6 +303,7 @@ async def supervise(cfg: Config, config_path: str | None, overrides: dict[str, o
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, supervisor.stop.set)
+    loop.add_signal_handler(signal.SIGHUP, supervisor.reload)
     runner = web.AppRunner(supervisor.admin_app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.admin.bind_address, cfg.admin.port)
