@@ -38,6 +38,7 @@ from mvproxy.logs import kv
 from mvproxy.membership import Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings
+from mvproxy.status import Sources, membership_sources
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    peer_sources: Sources | None = None
+    """Where membership learnt of each peer, for the admin status endpoints."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -141,7 +144,8 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event())
+                  poller, proxy, identity, limits, asyncio.Event(),
+                  membership_sources(membership))
 
 
 FD_RESERVE = 128
@@ -201,7 +205,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
                         on_refused=lambda code: daemon.metrics.refused_requests.labels(
                             str(code)).inc())
     daemon.metrics.watch_connections(lambda: listener.open_connections)
-    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining),
+    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining,
+                                          daemon.peer_sources),
                           access_log=None, handle_signals=False,
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:
