@@ -38,6 +38,7 @@ from mvproxy.logs import kv
 from mvproxy.membership import Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings
+from mvproxy.status import Sources, membership_sources
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Daemon:
     membership: StaticMembership
     peer_ssl: ssl.SSLContext | None
     """Client context toward peers (None: started without peer TLS material)."""
+    peer_sources: Sources | None = None
+    """Where membership learnt of each peer, for the admin status endpoints."""
 
 
 def _listener_context(cfg: Config) -> ssl.SSLContext:
@@ -144,7 +147,8 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event(), membership, peer_ssl)
+                  poller, proxy, identity, limits, asyncio.Event(), membership, peer_ssl,
+                  membership_sources(membership))
 
 
 FD_RESERVE = 128
@@ -204,7 +208,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
                         on_refused=lambda code: daemon.metrics.refused_requests.labels(
                             str(code)).inc())
     daemon.metrics.watch_connections(lambda: listener.open_connections)
-    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining),
+    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining,
+                                          daemon.peer_sources),
                           access_log=None, handle_signals=False,
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:

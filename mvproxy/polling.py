@@ -250,8 +250,8 @@ class Poller:
             for sync_type in sync_error_types(reasons):
                 self.metrics.discovery_sync_errors.labels(sync_type).inc()
         was_reachable = self._reachable(server_id)
-        self.cache.record_failure(server_id)
         kind, exc = reasons[0], errors[0]
+        self.cache.record_failure(server_id, f"{kind}: {str(exc)[:300]}")
         if kind != state.failure:
             state.failure = kind
             known = self.cache.state(server_id)
