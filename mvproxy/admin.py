@@ -1,4 +1,5 @@
-"""The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``, ``/debug/mvproxy``.
+"""The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``, ``/debug/mvproxy``
+(``/peers``, ``/route``) and ``/``, the status page.
 
 Separate from the main listener so that scraping and probes need no client
 certificate and never compete with API traffic. Health endpoints answer like
@@ -14,6 +15,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mvproxy import status, statuspage
 from mvproxy.cache import DiscoveryCache
 from mvproxy.metrics import Metrics
 
@@ -31,15 +33,17 @@ def health_response(request: web.Request, name: str, checks: list[Check]) -> web
 
 
 def readiness_checks(cache: DiscoveryCache, draining: asyncio.Event) -> list[Check]:
-    """Ready once the backend and every peer have been polled, while the backend
-    answers, and until shutdown begins (so load balancers drain us first)."""
-    view = cache.view()
-    unpolled = [s.server_id for s in (view.backend, *view.peers.values()) if not s.polled]
-    backend_ok = not view.backend.polled or view.backend.reachable
+    """Ready = the backend's discovery is held and its polls succeed, until shutdown
+    begins (so load balancers drain us first). Peers never make a member unready: a
+    member whose peers are down still serves everything its backend serves, and
+    taking every member out because one peer is down would take the control plane
+    down with it. Until every peer is polled once, requests go to the backend."""
+    backend = cache.view().backend
     return [("ping", True, ""),
-            ("discovery-synced", view.synced,
-             "not yet polled: " + ", ".join(unpolled) if unpolled else ""),
-            ("backend-reachable", backend_ok, "discovery polls of the backend are failing"),
+            ("backend-synced", backend.snapshot is not None,
+             "the backend's discovery has not been fetched yet"),
+            ("backend-reachable", not backend.polled or backend.reachable,
+             "discovery polls of the backend are failing"),
             ("shutdown", not draining.is_set(), "shutting down")]
 
 
@@ -59,8 +63,27 @@ def debug_state(cache: DiscoveryCache) -> dict:
             "peers": {peer_id: describe(state) for peer_id, state in view.peers.items()}}
 
 
-def build_admin_app(cache: DiscoveryCache, metrics: Metrics,
-                    draining: asyncio.Event) -> web.Application:
+def json_response(document: dict, status_code: int = 200) -> web.Response:
+    return web.Response(status=status_code, text=json.dumps(document, indent=2) + "\n",
+                        content_type="application/json",
+                        headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
+
+
+def route_response(view, query) -> web.Response:
+    """``/debug/mvproxy/route``: 400 with a JSON error for unusable input, never a 500."""
+    try:
+        return json_response(status.explain_route(view, query))
+    except status.BadQuery as exc:
+        return json_response({"error": str(exc)}, 400)
+
+
+def page_response(document: dict) -> web.Response:
+    return web.Response(text=statuspage.render(document), content_type="text/html",
+                        charset="utf-8", headers=statuspage.HEADERS)
+
+
+def build_admin_app(cache: DiscoveryCache, metrics: Metrics, draining: asyncio.Event,
+                    sources: status.Sources | None = None) -> web.Application:
     async def metrics_handler(request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -76,7 +99,23 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics,
         return web.Response(text=json.dumps(debug_state(cache), indent=2) + "\n",
                             content_type="application/json")
 
+    def peers_document() -> dict:
+        return status.peers_document(cache.view(), sources=sources() if sources else None,
+                                     reroutes=status.reroutes(metrics.registry.collect()))
+
+    async def peers(request: web.Request) -> web.Response:
+        return json_response(peers_document())
+
+    async def route(request: web.Request) -> web.Response:
+        return route_response(cache.view(), request.query)
+
+    async def page(request: web.Request) -> web.Response:
+        return page_response(peers_document())
+
     app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/debug/mvproxy/peers", peers)
+    app.router.add_get("/debug/mvproxy/route", route)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", livez)
     app.router.add_get("/livez", livez)

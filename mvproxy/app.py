@@ -20,12 +20,12 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from mvproxy import pki
+from mvproxy import pki, reload
 from mvproxy.admin import build_admin_app
 from mvproxy.cache import DiscoveryCache
 from mvproxy.config import Config
@@ -41,6 +41,7 @@ from mvproxy.leasemembership import LeaseMembership
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings
+from mvproxy.status import Sources, membership_sources
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,11 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    membership: StaticMembership
+    peer_ssl: ssl.SSLContext | None
+    """Client context toward peers (None: started without peer TLS material)."""
+    peer_sources: Sources | None = None
+    """Where membership learnt of each peer, for the admin status endpoints."""
     leases: LeaseMembership | None = None
     """Lease membership (``peers.leases``): run beside the poller, released on shutdown."""
     dns: DNSMembership | None = None
@@ -107,12 +113,12 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                            presents_certificate=False))
     membership_changed = asyncio.Event()
     peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
-                if cfg.peers or cfg.membership.dynamic else None)
+                if cfg.peer.ca_file and cfg.peer.cert_file and cfg.peer.key_file else None)
+    static = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
     leases = _lease_membership(cfg, metrics, membership_changed.set)
     dns = _dns_membership(cfg, metrics, membership_changed.set, peer_ssl)
     membership = CombinedMembership(
-        StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers),
-        [source for source in (leases, dns) if source is not None],
+        static, [source for source in (leases, dns) if source is not None],
         own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
@@ -154,7 +160,8 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
     return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event(), leases, dns)
+                  poller, proxy, identity, limits, asyncio.Event(), static, peer_ssl,
+                  membership_sources(membership), leases, dns)
 
 
 def _dns_membership(cfg: Config, metrics: Metrics, on_change,
@@ -246,7 +253,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
                         on_refused=lambda code: daemon.metrics.refused_requests.labels(
                             str(code)).inc())
     daemon.metrics.watch_connections(lambda: listener.open_connections)
-    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining),
+    admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining,
+                                          daemon.peer_sources),
                           access_log=None, handle_signals=False,
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
     try:
@@ -321,17 +329,37 @@ async def _start(runner: web.AppRunner, host: str, port: int,
     return runner.addresses[-1][1]
 
 
-async def serve(daemon: Daemon, worker: WorkerRole | None = None) -> None:
+async def serve(daemon: Daemon, worker: WorkerRole | None = None, *,
+                load: Callable[[], Config] | None = None) -> None:
     """Run until SIGTERM or SIGINT (a worker also: until its supervisor is gone), then
-    drain and return (exit status 0)."""
+    fail /readyz, keep serving for ``timeouts.shutdownDelay``, drain and return (exit
+    status 0). With ``load``, SIGHUP re-reads the configuration (``reload``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if load is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: reload.reload(daemon, load))
     if worker is not None:
         _stop_when_closed(sys.stdin.fileno(), stop)
     async with running(daemon, worker):
         await stop.wait()
+        await _shutdown_delay(daemon, stop)
+
+
+async def _shutdown_delay(daemon: Daemon, stop: asyncio.Event) -> None:
+    """/readyz fails at once; new requests are still served for ``shutdownDelay`` so load
+    balancers take this member out before it refuses connections. A second signal
+    ends the wait."""
+    daemon.draining.set()
+    delay = daemon.config.timeouts.shutdown_delay
+    if delay <= 0:
+        return
+    log.info("shutting down: /readyz fails; serving for the shutdown delay first",
+             extra=kv(seconds=delay))
+    stop.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
 
 
 def _stop_when_closed(fd: int, stop: asyncio.Event) -> None:

@@ -37,6 +37,10 @@ class ServerState:
     """Monotonic time of the last successful poll."""
     first_failure: float | None = None
     """Monotonic time of the first failure of the current failing streak."""
+    last_poll: float | None = None
+    """Monotonic time the last poll finished, successfully or not (for operators)."""
+    last_error: str | None = None
+    """Why the last poll failed (reason and message); None after a success."""
 
 
 @dataclass(frozen=True)
@@ -183,11 +187,12 @@ class DiscoveryCache:
             return
         new = replace(old, snapshot=snapshot if snapshot is not None else old.snapshot,
                       polled=True, reachable=True, last_success=self._clock(),
-                      first_failure=None)
+                      first_failure=None, last_poll=self._clock(), last_error=None)
         self._store(old, new)
 
-    def record_failure(self, server_id: str) -> None:
-        """A poll failed: keep the last good snapshot until it is stale, then forgotten."""
+    def record_failure(self, server_id: str, error: str | None = None) -> None:
+        """A poll failed (``error`` says why, for operators): keep the last good snapshot
+        until it is stale, then forgotten."""
         old = self.state(server_id)
         if old is None:
             return
@@ -197,7 +202,7 @@ class DiscoveryCache:
         snapshot = old.snapshot if now - since < self.forget_after else None
         reachable = old.last_success is not None and now - since < self.stale_after
         new = replace(old, snapshot=snapshot, polled=True, reachable=reachable,
-                      first_failure=first_failure)
+                      first_failure=first_failure, last_poll=now, last_error=error)
         self._store(old, new)
 
     def _store(self, old: ServerState, new: ServerState) -> None:

@@ -71,7 +71,7 @@ def run(path: str | None, overrides: dict[str, object]) -> int:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(supervise(cfg, path, overrides))
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(serve(build_daemon(cfg)))
+        runner.run(serve(build_daemon(cfg), load=lambda: load_checked_config(path, overrides)))
     return 0
 
 
@@ -86,7 +86,8 @@ def worker(args: argparse.Namespace) -> int:
     cfg = load_checked_config(args.config, json.loads(args.overrides))
     logs.configure(cfg.logging.format, cfg.logging.verbosity, static={"worker": args.index})
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(serve(build_daemon(cfg), WorkerRole(args.index, args.admin_socket)))
+        runner.run(serve(build_daemon(cfg), WorkerRole(args.index, args.admin_socket),
+                         load=lambda: load_checked_config(args.config, json.loads(args.overrides))))
     return 0
 
 

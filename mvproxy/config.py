@@ -271,8 +271,7 @@ class _Section:
 
     def __init__(self, cls: type, *, ignore: tuple[str, ...] = ()):
         self.cls = cls
-        self.fields = {f.metadata["key"]: f for f in dataclasses.fields(cls) if f.metadata["key"]}
-        self.derived = [f for f in dataclasses.fields(cls) if not f.metadata["key"]]
+        self.fields = {f.metadata["key"]: f for f in dataclasses.fields(cls)}
         self.ignore = ignore  # keys known here but validated elsewhere (apiVersion, kind)
 
     def __call__(self, raw: object, path: str, ctx: _Context) -> Any:
@@ -306,9 +305,7 @@ class _Section:
         return _INVALID
 
     def _derive(self, values: dict[str, Any]) -> None:
-        for f in self.derived:
-            values[f.name] = _DERIVED
-        for f in [*self.fields.values(), *self.derived]:
+        for f in self.fields.values():
             if values[f.name] is _DERIVED:
                 source, compute = f.metadata["derive"]
                 values[f.name] = _INVALID if values[source] is _INVALID else compute(values[source])
@@ -320,13 +317,6 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     return f" (did you mean {lowered[matches[0]]!r}?)" if matches else ""
 
 
-def _not_in_yaml(value: object, path: str, ctx: _Context) -> Any:
-    raise _Invalid("unknown key")  # pragma: no cover - fields using it have no YAML key
-
-
-def _derived(source: str, compute: Callable[[Any], Any], **kwargs: Any) -> Any:
-    """A field with no YAML key of its own: always ``compute(<value of source>)``."""
-    return _key("", _not_in_yaml, derive=(source, compute), **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -513,6 +503,11 @@ class TimeoutsConfig:
     kube-apiserver's default ``--request-timeout``."""
     shutdown_grace_period: float = _key("shutdownGracePeriod", _duration(allow_zero=True), default=30.0)
     """Seconds SIGTERM waits for in-flight requests before closing them (30s; 0: at once)."""
+    shutdown_delay: float = _key("shutdownDelay", _duration(allow_zero=True), default=0.0)
+    """Seconds between SIGTERM and closing the listener (0s, kube-apiserver's
+    ``--shutdown-delay-duration`` default): ``/readyz`` fails at once and new requests
+    are still served meanwhile, so load balancers notice before connections are refused.
+    Beside kube-apiserver, use the same value as its flag."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -559,8 +554,7 @@ class Config:
     """mTLS material and trusted names for peers."""
     membership: PeersConfig = _key("peers", _Section(PeersConfig), default_factory=PeersConfig)
     """Membership sources, YAML ``peers`` (``static``, ``leases``, ``dns``)."""
-    peers: tuple[StaticPeer, ...] = _derived("membership", lambda m: m.static, default=())
-    """The statically configured peers, ``peers.static`` (empty)."""
+
     discovery: DiscoveryConfig = _key("discovery", _Section(DiscoveryConfig), default_factory=DiscoveryConfig)
     """Discovery polling intervals and limits."""
     admin: AdminConfig = _key("admin", _Section(AdminConfig), default_factory=AdminConfig)
@@ -575,6 +569,11 @@ class Config:
     """Processes serving ``securePort`` together (SO_REUSEPORT), each on one core (1).
     Above 1 a supervisor process runs the admin listener, adds the workers' metrics up
     and restarts a worker that dies; each worker polls discovery itself."""
+
+    @property
+    def peers(self) -> tuple[StaticPeer, ...]:
+        """The statically configured peers, ``peers.static`` (empty)."""
+        return self.membership.static
 
 
 # ---------------------------------------------------------------------------
@@ -630,9 +629,10 @@ def _not_below(name: str, floor: float, value: float) -> str:
 
 
 def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
-    peers, peer, membership = v["peers"], v["peer"], v["membership"]
-    if not _valid(peers, membership):
+    peer, membership = v["peer"], v["membership"]
+    if not _valid(membership) or not _valid(membership.static):
         return
+    peers = membership.static
     _check_dynamic(v, ctx)
     if (peers or membership.dynamic) and _valid(peer):
         for attr, key in (("ca_file", "caFile"), ("client_ca_file", "clientCAFile"),

@@ -36,7 +36,7 @@ from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
-from mvproxy.logs import kv
+from mvproxy.logs import kv, throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Transport, Upstream
@@ -144,7 +144,7 @@ class DiscoveryHandler:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
                                      headers, long_running=False)
         except ForwardError as exc:
-            log.warning("backend discovery request failed", extra=kv(error=str(exc)[:300]))
+            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
             answer = upstream_failure(exc.cause, "the backend API server", self.retry_after)
             exchange.respond(answer.status, answer.fields, answer.body)
 
@@ -168,7 +168,7 @@ class DiscoveryHandler:
                                                 headers=headers, timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
-            log.warning("backend discovery probe failed", extra=kv(error=str(exc)[:300]))
+            throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
             failure = upstream_failure(exc, "the backend API server", self.retry_after)
             exchange.respond(failure.status, failure.fields, failure.body)
             return False

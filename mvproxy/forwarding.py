@@ -444,6 +444,11 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             pool.discard(conn)
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class _TimedOut(Exception):
     """The request's deadline passed (``Transport.deadlines``)."""
 
@@ -459,8 +464,15 @@ class _Relay:
         self.check_unserved = check_unserved
         self.notify = notify
         """Callback mode (``_Inline``): told ("head" | "done", error) instead of futures."""
-        self.head: asyncio.Future[None] | None = None if notify else loop.create_future()
-        self.done: asyncio.Future[None] | None = None if notify else loop.create_future()
+        self.head: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[None] | None = None
+        if notify is None:
+            self.head, self.done = loop.create_future(), loop.create_future()
+            # A failure may settle a future nobody awaits any more (the head failed and
+            # the connection then closed): without this asyncio reports it at exit as
+            # "Future exception was never retrieved".
+            self.head.add_done_callback(_retrieved)
+            self.done.add_done_callback(_retrieved)
         self._head_settled = self._done_settled = False
         self.status = 0
         self.reason = b""

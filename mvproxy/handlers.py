@@ -25,7 +25,7 @@ from mvproxy.forwarding import ForwardError
 from mvproxy.identity import REFUSED, Downstream, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
 from mvproxy.listener import Exchange
-from mvproxy.logs import V, kv
+from mvproxy.logs import V, kv, throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
 from mvproxy.transport import Transport, Upstream
@@ -319,7 +319,7 @@ class Proxy:
                                                 timeout=self.transport.request_timeout,
                                                 max_bytes=OPENAPI_INDEX_MAX_BYTES)
         except UpstreamError as exc:
-            log.warning("backend openapi index request failed", extra=kv(error=str(exc)[:300]))
+            throttled.warning(log, "backend openapi index request failed", error=str(exc)[:300])
             reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after))
             return
         body = answer.body

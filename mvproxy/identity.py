@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from cryptography import x509
 
 from mvproxy import pki
-from mvproxy.logs import kv
+from mvproxy.logs import throttled
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,14 @@ class IdentityResolver:
         except (ValueError, pki.PKIError):
             # OpenSSL verified it but cryptography cannot parse it: trust nothing it
             # claims; its bearer token (if any) still reaches the backend unchanged.
-            log.warning("client certificate could not be parsed; treating the connection "
-                        "as anonymous")
+            throttled.warning(log, "client certificate could not be parsed; treating the "
+                                   "connection as anonymous")
             return ANONYMOUS_DOWNSTREAM
         trusted = pki.issued_by_any(cert, self._peer_cas) or pki.issued_by_any(
             cert, self._client_cas)
         if trusted and len(names) > 1:
-            log.warning("client certificate with several common names refused",
-                        extra=kv(common_names=len(names)))
+            throttled.warning(log, "client certificate with several common names refused",
+                              common_names=len(names))
             return AMBIGUOUS_DOWNSTREAM
         if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)

@@ -99,7 +99,7 @@ class LeaseMembership:
             self._count_rejected("too_many", len(live) - MAX_PEERS)
             live = live[:MAX_PEERS]
         next_expiry = min((p.expires for p in live), default=float("inf"))
-        return tuple(Peer(p.server_id, p.url) for p in live), next_expiry
+        return tuple(Peer(p.server_id, p.url, "lease") for p in live), next_expiry
 
     # ------------------------------------------------------------------ running
 

@@ -46,7 +46,7 @@ from mvproxy import wire
 from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
-from mvproxy.logs import V, kv
+from mvproxy.logs import V, kv, throttled
 from mvproxy.requestcheck import Refusal, check_request
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class Exchange:
         "chunked",
         "chunked_out",
         "conn",
+        "line_ended",
         "raw",
         "raw_method",
         "raw_target",
@@ -169,6 +170,8 @@ class Exchange:
         self.finished = False
         self.status = 0
         self.chunked_out = False
+        self.line_ended = True
+        """Whether the body so far ends a line: a JSON watch is between events."""
         self._head_pending = b""
         self._close_after = upgrade
         """Set for upgrade requests: unless the connection is taken over, the bytes
@@ -338,6 +341,7 @@ class Exchange:
         self._head_pending = b""
         if data:
             out += wire.chunk(data) if self.chunked_out else data
+            self.line_ended = data[-1:] == b"\n"
         if end:
             if self.chunked_out:
                 out += wire.last_chunk(list(trailers))
@@ -641,8 +645,8 @@ class DownstreamConnection(FlowControl):
             self.close() if exchange.finished else self.abort()
             return
         if failure is not None:
-            log.error("request handler failed", exc_info=failure,
-                      extra=kv(method=exchange.method, started=exchange.started))
+            throttled.log(log, logging.ERROR, "request handler failed", exc_info=failure,
+                          method=exchange.method, started=exchange.started)
         if failure is not None or not exchange.finished:
             if exchange.started:
                 self.abort()  # a truncated response, never a wrong one
@@ -737,6 +741,16 @@ class DownstreamConnection(FlowControl):
             self._task.cancel()
         elif self._active is not None and self._active.cancel_hook is not None:
             self._active.cancel_hook()
+
+    def end_for_shutdown(self) -> None:
+        """Shutdown ends this request: a chunked stream between lines (a JSON watch
+        between events) gets its last chunk, so the client sees the watch end as
+        kube-apiserver ends it and simply watches again; anything else is cut."""
+        active = self._active
+        if (active is not None and active.started and not active.finished
+                and active.chunked_out and active.line_ended):
+            active.write(b"", end=True)
+        self.cancel()
 
     def close_if_idle(self) -> bool:
         """Close now if no request is in progress (shutdown); True if it was idle."""
@@ -873,7 +887,7 @@ class Listener:
         """End every request still being handled (shutdown after the grace period)."""
         busy = [conn for conn in self.connections if conn.busy]
         for conn in busy:
-            conn.cancel()
+            conn.end_for_shutdown()
         return len(busy)
 
     # ---------------------------------------------------------------- accepting

@@ -142,7 +142,46 @@ def configure(fmt: str = "text", verbosity: int = 2, stream: TextIO | None = Non
             root.removeHandler(old)
     handler._mvproxy = True  # type: ignore[attr-defined]
     root.addHandler(handler)
-    root.setLevel(V(verbosity))
+    set_verbosity(verbosity)
+
+
+def set_verbosity(verbosity: int) -> None:
+    """The klog-style level, also live (SIGHUP); libraries stay quiet below 6."""
+    logging.getLogger().setLevel(V(verbosity))
     library_level = V(verbosity) if verbosity >= 6 else logging.WARNING
     for name in ("aiohttp", "asyncio"):
         logging.getLogger(name).setLevel(library_level)
+
+
+class Throttle:
+    """At most one line per message per ``interval`` for what can happen on every
+    request (a dead backend must not write a line per request); the next line says how
+    many were left out. Keys are the fixed message texts, so the memory is bounded."""
+
+    def __init__(self, interval: float = 60.0, clock=time.monotonic):
+        self.interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(self, logger: logging.Logger, level: int, message: str, *,
+            exc_info: BaseException | None = None, **fields: Any) -> bool:
+        """Log ``message`` unless it was logged within ``interval``; True if logged."""
+        now = self._clock()
+        last = self._last.get(message)
+        if last is not None and now - last < self.interval:
+            self._suppressed[message] = self._suppressed.get(message, 0) + 1
+            return False
+        self._last[message] = now
+        left_out = self._suppressed.pop(message, 0)
+        if left_out:
+            fields["suppressed_since_last"] = left_out
+        logger.log(level, message, exc_info=exc_info, extra=kv(**fields))
+        return True
+
+    def warning(self, logger: logging.Logger, message: str, **fields: Any) -> bool:
+        return self.log(logger, logging.WARNING, message, **fields)
+
+
+throttled = Throttle()
+"""The process's throttle for request-path warnings and errors."""

@@ -2,14 +2,15 @@
 
 Polling asks ``peers()`` at every round (and at once when a dynamic source reports a
 change), routing at every request, so a source only has to keep its answer current
-and cheap. Sources: static (``peers.static`` / ``--peer``, here), Leases
-(``leasemembership``) and DNS (``dnsmembership``); ``CombinedMembership`` joins them.
+and cheap. Sources: static (``peers.static`` / ``--peer``, here, reloaded on SIGHUP),
+Leases (``leasemembership``) and DNS (``dnsmembership``); ``CombinedMembership`` joins
+them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -19,6 +20,8 @@ class Peer:
 
     server_id: str
     url: str
+    source: str = field(default="static", compare=False)
+    """Where membership learnt of it ("static", "lease", "dns"), for the status page."""
 
 
 class Membership(Protocol):
@@ -27,13 +30,17 @@ class Membership(Protocol):
 
 
 class StaticMembership:
-    """Peers from configuration; they never change while the daemon runs."""
+    """Peers from configuration; they change only when the configuration is reloaded."""
 
     def __init__(self, peers: Iterable[Peer]):
         self._peers = tuple(peers)
 
     def peers(self) -> tuple[Peer, ...]:
         return self._peers
+
+    def update(self, peers: Iterable[Peer]) -> None:
+        """The reloaded list; polling and routing follow within one poll interval."""
+        self._peers = tuple(peers)
 
 
 class CombinedMembership:

@@ -2,7 +2,8 @@
 
 One task per server, so a slow peer never delays another; each poll has its own
 timeout and sends ``If-None-Match`` so an unchanged document costs a 304. Results
-go into the ``DiscoveryCache``. Failures keep the last good snapshot. Every failed
+go into the ``DiscoveryCache``. Failures keep the last good snapshot; a server never
+fetched yet is retried after ``FIRST_RETRY``, doubling up to the interval. Every failed
 fetch is counted, so ``rate()`` is honest; it is logged once per change of state
 (ok -> failing, or a different reason), not once per poll. Nothing raises out of the
 loops.
@@ -85,6 +86,10 @@ _REASONS = (  # most specific first: BodyTooLarge and UnexpectedStatus are proto
 REASONS = frozenset(reason for _, reason in _REASONS) | {"internal"}
 """Every value of ``mvproxy_discovery_poll_errors_total{reason}``."""
 HOSTPORT_RESOLUTION, FETCH_DISCOVERY = "hostport_resolution", "fetch_discovery"
+FIRST_RETRY = 0.2
+"""Seconds before retrying a server whose discovery was never fetched, doubling up to
+the poll interval: a peer that starts a moment after us is seen within a second, not
+after a whole interval (until then, requests for its APIs get the backend's 404)."""
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -185,10 +190,14 @@ class Poller:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self, server_id: str, state: _ServerPoll) -> None:
+        retry = FIRST_RETRY
         while True:
             await self.poll_once(server_id, state)
+            delay = self.settings.interval
+            if state.snapshot is None:  # nothing fetched yet: try again soon
+                delay, retry = min(retry, delay), retry * 2
             spread = self._rng.uniform(-self.settings.jitter, self.settings.jitter)
-            await asyncio.sleep(self.settings.interval * (1 + spread))
+            await asyncio.sleep(delay * (1 + spread))
 
     async def poll_once(self, server_id: str, state: _ServerPoll) -> None:
         """Fetch both documents once and record the outcome; never raises."""
@@ -255,8 +264,8 @@ class Poller:
             for sync_type in sync_error_types(reasons):
                 self.metrics.discovery_sync_errors.labels(sync_type).inc()
         was_reachable = self._reachable(server_id)
-        self.cache.record_failure(server_id)
         kind, exc = reasons[0], errors[0]
+        self.cache.record_failure(server_id, f"{kind}: {str(exc)[:300]}")
         if kind != state.failure:
             state.failure = kind
             known = self.cache.state(server_id)

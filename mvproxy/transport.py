@@ -479,6 +479,13 @@ class Transport:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
+    def set_timeouts(self, *, connect: float, request: float) -> None:
+        """New timeouts (a configuration reload): for requests and connections that
+        start from now on."""
+        self.connect_timeout, self.request_timeout = connect, request
+        for pool in self._pools.values():
+            pool.connect_timeout = connect
+
     def pool(self, upstream: Upstream) -> Pool:
         # By identity first: hashing the frozen dataclass costs more than the rest of
         # the lookup, and the same Upstream objects come back on every request.

@@ -8,14 +8,18 @@ and peers see N times the polls and connections.
 
 The supervisor serves the admin listener. ``/metrics`` adds the workers' metrics up
 (``metricsmerge``), ``/readyz`` is ready when every worker is, and ``/debug/mvproxy``
-lists the workers. It asks each worker over a Unix socket in the abstract namespace
-(no file: the root filesystem may be read-only) and checks that the process
+lists the workers. ``/debug/mvproxy/peers``, ``/debug/mvproxy/route`` and the status
+page ``/`` show the view of the lowest-numbered worker that answers (each worker polls
+on its own; their views agree within a poll interval), with reroutes summed over all
+workers as ``/metrics`` sums them. It asks each worker over a Unix socket in the
+abstract namespace (no file: the root filesystem may be read-only) and checks that the process
 answering is that worker. A worker that dies is started again after a back-off (1 s,
 doubling to 30 s). A worker that exits with status 2 (bad input, such as a port it
 cannot bind) ends the whole process with status 2: a restart cannot fix that.
-SIGTERM is passed on to the workers, which drain as a single process does; any still
-running after the grace period plus a margin is killed. A worker whose supervisor
-dies sees its stdin pipe close and shuts down too.
+SIGTERM and SIGHUP are passed on to the workers, which drain or reload as a single
+process does; after SIGTERM any still running after the shutdown delay, the grace
+period and a margin is killed. A worker whose supervisor dies sees its stdin pipe
+close and shuts down too.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 from aiohttp import web
 from prometheus_client import (
@@ -42,12 +47,14 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
-from mvproxy.admin import health_response
+from mvproxy.admin import health_response, json_response, page_response
 from mvproxy.config import Config
 from mvproxy.errors import UsageError
 from mvproxy.logs import kv
 from mvproxy.metricsmerge import MetricsMerger
+from mvproxy.status import BadQuery, reroutes, route_query
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +165,9 @@ class Supervisor:
         waits = [asyncio.ensure_future(p.wait()) for p in live]
         if not waits:
             return
+        timeouts = self.config.timeouts
         _, late = await asyncio.wait(
-            waits, timeout=self.config.timeouts.shutdown_grace_period + STOP_MARGIN)
+            waits, timeout=timeouts.shutdown_delay + timeouts.shutdown_grace_period + STOP_MARGIN)
         for process in live:
             if process.returncode is None:
                 log.warning("worker did not stop in time; killing it", extra=kv(pid=process.pid))
@@ -167,6 +175,14 @@ class Supervisor:
                     process.kill()
         if late:
             await asyncio.wait(late)
+
+    def reload(self) -> None:
+        """SIGHUP: each worker re-reads the configuration file itself (``reload``); a
+        worker started later reads the new file anyway."""
+        for worker in self.workers:
+            if worker.process and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGHUP)
 
     # ---------------------------------------------------------------- asking workers
 
@@ -199,6 +215,32 @@ class Supervisor:
         if status == 200:
             worker.last_metrics = text
         return worker.last_metrics
+
+    async def first_answer(self, target: str) -> tuple[int, str, int | None]:
+        """(status, body, worker index) from the lowest-numbered worker that answers
+        ``target``; (0, why, None) when none does."""
+        why = "no worker"
+        for worker in self.workers:
+            code, text = await self.ask(worker, target)
+            if code:
+                return code, text, worker.index
+            why = f"worker {worker.index}: {text}"
+        return 0, why, None
+
+    async def peers_document(self) -> dict | None:
+        """A worker's ``/debug/mvproxy/peers`` with every worker's reroutes added up."""
+        code, text, index = await self.first_answer("/debug/mvproxy/peers")
+        try:
+            document = json.loads(text) if code == 200 else None
+        except ValueError:
+            document = None
+        if not isinstance(document, dict):
+            return None
+        document["worker"] = index
+        texts = await asyncio.gather(*(self.metrics_text(w) for w in self.workers))
+        merged = self.merger.merge(texts).decode("utf-8", "replace")
+        document["reroutes"] = reroutes(text_string_to_metric_families(merged))
+        return document
 
     # ---------------------------------------------------------------- admin listener
 
@@ -237,7 +279,40 @@ class Supervisor:
             return web.Response(text=json.dumps({"workers": listing}, indent=2) + "\n",
                                 content_type="application/json")
 
+        async def peers(request: web.Request) -> web.Response:
+            document = await self.peers_document()
+            if document is None:
+                return json_response({"error": "no worker answered"}, 503)
+            return json_response(document)
+
+        async def route(request: web.Request) -> web.Response:
+            try:
+                wanted = route_query(request.query)
+            except BadQuery as exc:
+                return json_response({"error": str(exc)}, 400)
+            code, text, index = await self.first_answer(
+                "/debug/mvproxy/route?" + urlencode(wanted))
+            if not code:
+                return json_response({"error": "no worker answered"}, 503)
+            try:
+                document = json.loads(text)
+            except ValueError:
+                return json_response({"error": "a worker's answer is not JSON"}, 502)
+            if code == 200:
+                document["worker"] = index
+            return json_response(document, code)
+
+        async def page(request: web.Request) -> web.Response:
+            document = await self.peers_document()
+            if document is None:
+                return web.Response(status=503, text="no worker answered\n",
+                                    content_type="text/plain")
+            return page_response(document)
+
         app = web.Application()
+        app.router.add_get("/", page)
+        app.router.add_get("/debug/mvproxy/peers", peers)
+        app.router.add_get("/debug/mvproxy/route", route)
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", livez)
         app.router.add_get("/livez", livez)
@@ -293,6 +368,7 @@ async def supervise(cfg: Config, config_path: str | None, overrides: dict[str, o
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, supervisor.stop.set)
+    loop.add_signal_handler(signal.SIGHUP, supervisor.reload)
     runner = web.AppRunner(supervisor.admin_app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.admin.bind_address, cfg.admin.port)

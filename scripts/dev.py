@@ -4,13 +4,16 @@
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``$MVPROXY_VENV``), installs the project with its test extra into it when
 ``pyproject.toml`` changed since the last install, then runs the command there.
-Extra arguments go to ``mvproxy demo`` or to pytest.
+Extra arguments go to ``mvproxy demo`` or to pytest. ``test`` also installs Chromium
+(Debian's ``chromium``, with apt-get when running as root) for the status page's
+browser test.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -44,6 +47,36 @@ def ensure_env() -> None:
     STAMP.write_text(_wanted_stamp())
 
 
+CHROMIUM = ("chromium", "chromium-browser")
+
+
+def find_chromium() -> str | None:
+    return next(filter(None, map(shutil.which, CHROMIUM)), None)
+
+
+def ensure_chromium() -> str | None:
+    """Chromium's path, installing Debian's package first if it is missing and this is
+    root on a system with apt-get; None (with the reason printed) if that is impossible."""
+    found = find_chromium()
+    if found:
+        return found
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        print("dev.py: chromium is missing and cannot be installed here (needs apt-get "
+              "as root): the status page's browser test will be skipped", flush=True)
+        return None
+    print("dev.py: installing chromium (apt-get)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                        "chromium"], check=True, env=env, timeout=1200,
+                       stdout=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"dev.py: installing chromium failed: {exc}", flush=True)
+    return find_chromium()
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("demo", "test"):
         print("usage: python3 scripts/dev.py demo|test [ARGS...]", file=sys.stderr)
@@ -54,6 +87,7 @@ def main(argv: list[str]) -> int:
         # The demo runs where the user is (a relative --dir means what they expect).
         cmd = [str(_bin("mvproxy")), "demo", *rest]
     else:
+        ensure_chromium()
         os.chdir(ROOT)
         cmd = [str(_bin("python")), "-m", "pytest", *rest]
     sys.stdout.flush()

@@ -320,6 +320,12 @@ async def ready(c: Cluster) -> None:
 
 
 async def synced(c: Cluster) -> bool:
+    """Every server polled once (routing's "synced"; readiness only needs the backend)."""
+    return bool((await c.debug()).get("synced"))
+
+
+async def backend_synced(c: Cluster) -> bool:
+    """Ready: the backend's discovery is held."""
     status, _ = await c.admin_get("/readyz")
     return status == 200
 

@@ -33,12 +33,9 @@ async def backend(aiohttp_server, root):
     return f"https://127.0.0.1:{server.port}"
 
 
-def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] = (),
-                 nofile: int | None = None, **listener: object):
-    """(process, port, admin port, stop); ``stop()`` ends it (SIGTERM, then SIGKILL)
-    and returns its log."""
-    port, admin = free_port(), free_port()
-    config = {
+def daemon_config(root: Path, backend: str, port: int, admin: int, **listener: object) -> dict:
+    """A complete configuration for server "a" in front of ``backend``."""
+    return {
         "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
         "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
         "tlsCertFile": str(root / "a" / "mvproxy.crt"),
@@ -52,6 +49,14 @@ def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] =
         "timeouts": {"shutdownGracePeriod": "2s"},
         "listener": {"headerReadTimeout": "30s", "idleTimeout": "30s", **listener},
     }
+
+
+def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] = (),
+                 nofile: int | None = None, config: dict | None = None, **listener: object):
+    """(process, port, admin port, stop); ``stop()`` ends it (SIGTERM, then SIGKILL)
+    and returns its log. ``config`` replaces top-level keys of ``daemon_config``'s."""
+    port, admin = free_port(), free_port()
+    config = {**daemon_config(root, backend, port, admin, **listener), **(config or {})}
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed by stop()
     limit: Callable[[], None] | None = None

@@ -11,12 +11,17 @@ def failed(checks):
     return {name for name, ok, _ in checks if not ok}
 
 
-def test_ready_only_after_every_server_was_polled():
+def test_ready_once_the_backend_is_synced_whatever_the_peers_do():
+    """Documented semantics (README, Operations): ready = backend synced; peers never
+    make a member unready."""
     cache = DiscoveryCache("a", ["b"], stale_after=10, forget_after=100)
     draining = asyncio.Event()
-    assert failed(readiness_checks(cache, draining)) == {"discovery-synced"}
+    assert failed(readiness_checks(cache, draining)) == {"backend-synced"}
+    cache.record_failure("a")  # polled, unsuccessfully: nothing held yet
+    assert failed(readiness_checks(cache, draining)) == {"backend-synced", "backend-reachable"}
     cache.record_success("a", Snapshot())
-    cache.record_failure("b")  # polled, unsuccessfully: still counts as synced
+    assert failed(readiness_checks(cache, draining)) == set()  # peer b never polled
+    cache.record_failure("b")
     assert failed(readiness_checks(cache, draining)) == set()
 
 

@@ -13,8 +13,8 @@ bounded loops; nothing asserts on durations.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -27,6 +27,7 @@ from daemon_support import (  # root: the module's PKI fixture
     Cluster,
     cluster,
     header,
+    backend_synced,
     root,  # noqa: F401
     synced,
 )
@@ -35,17 +36,17 @@ from mvproxy import pki
 
 async def test_routes_by_capability_with_verified_identity(aiohttp_server, root):
     async with cluster(aiohttp_server, root) as c:
-        # The peer's first poll hangs: not ready, and everything goes to the backend.
+        # The peer's first poll hangs: everything goes to the backend, and the member
+        # is ready once its backend is synced (peers never make it unready).
+        await c.until(lambda: backend_synced(c), "the backend's first poll")
         status, text = await c.admin_get("/readyz?verbose")
-        assert status == 503 and "[-]discovery-synced failed" in text
+        assert status == 200 and "[+]backend-synced ok" in text
         status, _, body = await c.get(PODGROUPS)
         assert status == 200 and json.loads(body)["server"] == "backend"
         assert (await c.admin_get("/livez")) == (200, "ok")
 
         c.gate.set()
         await c.until(lambda: synced(c), "the first complete sync")
-        status, text = await c.admin_get("/readyz?verbose")
-        assert status == 200 and "[+]discovery-synced ok" in text
 
         # A cert user asking for a GVR only the peer serves: forwarded, vouched for.
         status, _, body = await c.get(PODGROUPS + "?limit=5&labelSelector=a%3Db", headers={
@@ -228,16 +229,18 @@ async def test_long_running_requests_outlive_the_request_timeout(aiohttp_server,
 
 @pytest.mark.parametrize("grace", ["0s", "200ms"])
 async def test_shutdown_ends_open_watches_after_the_grace_period(aiohttp_server, root, grace):
-    """SIGTERM must finish within shutdownGracePeriod even while a watch stays open."""
+    """SIGTERM must finish within shutdownGracePeriod even while a watch stays open, and
+    ends the watch cleanly."""
     watch_ended = asyncio.Event()
 
-    async def watch(c: Cluster, opened: asyncio.Event) -> None:
+    async def watch(c: Cluster, opened: asyncio.Event) -> bytes:
         async with c.sessions["admin"].get(c.base + "/api/v1/configmaps?watch=true") as resp:
             await resp.content.readline()
             opened.set()
-            with contextlib.suppress(aiohttp.ClientError):
-                await resp.content.read()
-        watch_ended.set()
+            try:
+                return await resp.content.read()  # the stream's end, or ClientError
+            finally:
+                watch_ended.set()
 
     opened = asyncio.Event()
     async with asyncio.timeout(WAIT):
@@ -246,9 +249,11 @@ async def test_shutdown_ends_open_watches_after_the_grace_period(aiohttp_server,
             await opened.wait()
             status, text = await c.admin_get("/readyz?verbose")
             assert "[+]shutdown ok" in text
-        # running() has returned: the listener drained and the watch was ended.
+        # running() has returned: the listener drained and the watch was ended, between
+        # two events, cleanly (the last chunk), as kube-apiserver ends a watch: the
+        # client sees the stream end, not a broken connection, and simply watches again.
         await asyncio.wait_for(watch_ended.wait(), WAIT)
-        await task
+        assert await task == b""
 
 
 async def test_metrics_expose_certificate_expiry_by_role(aiohttp_server, root):
@@ -277,3 +282,24 @@ async def test_a_peer_that_refuses_connections_fails_over_to_the_next(aiohttp_se
         assert failovers is not None and failovers >= 1
         assert await c.metric("apiserver_rerouted_request_total", code="200",
                               **PODGROUPS_GVR) == 12
+
+
+async def test_a_dead_backend_writes_one_warning_not_one_per_request(aiohttp_server, root,
+                                                                     caplog, monkeypatch):
+    """Request-path warnings are throttled (``logs.throttled``): 20 discovery requests
+    that the stopped backend cannot answer give 20 503s and one warning line."""
+    from mvproxy.logs import throttled
+
+    monkeypatch.setattr(throttled, "_last", {})
+    monkeypatch.setattr(throttled, "_suppressed", {})
+    nopeer = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList;profile=nopeer"
+    async with cluster(aiohttp_server, root) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        await c.backend_server.close()
+        with caplog.at_level(logging.WARNING):
+            for _ in range(20):
+                status, _, _ = await c.get("/apis", headers={"Accept": nopeer})
+                assert status == 503
+    lines = [r for r in caplog.records if r.getMessage() == "backend discovery request failed"]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]

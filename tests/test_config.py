@@ -216,8 +216,6 @@ def dotted_keys_of(cls: type, prefix: str = "") -> set[str]:
     """Every YAML key the schema knows, read from the dataclass field metadata."""
     keys = set()
     for f in dataclasses.fields(cls):
-        if not f.metadata["key"]:
-            continue  # derived from another key (Config.peers from peers.static)
         key = prefix + f.metadata["key"]
         keys.add(key)
         section = getattr(f.metadata["parse"], "cls", None)

@@ -553,3 +553,27 @@ def test_forward_error_keeps_its_cause():
     error = ForwardError(cause, retryable=True)
     assert error.cause is cause and error.retryable and "apiserver-b" in str(error)
     assert not isinstance(error, UpstreamError)
+
+
+async def test_a_failure_nobody_awaits_is_not_reported_at_exit():
+    """The head failed (the caller stopped waiting), then the connection closed: the
+    second error settles ``done``, which nobody awaits. asyncio must not report it as
+    "Future exception was never retrieved" (seen at the end of CI runs)."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        exchange = SimpleNamespace(method="GET", has_body=False, upgrade=False, chunked=False)
+        relay = forwarding._Relay(exchange, SimpleNamespace(), loop, check_unserved=False)
+        relay.on_error(UpstreamProtocolError("peer", "connection closed before any response"))
+        with pytest.raises(UpstreamProtocolError):
+            await relay.head
+        relay.on_error(UpstreamProtocolError("peer", "closed again"))
+        del relay
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert not reported, reported

@@ -21,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "mvproxy"
 NOT_CORE = ("devcluster", "cli", "commands", "__main__")
 PURE = ("config", "errors", "discovery", "requestinfo", "routing", "cache", "requestcheck",
-        "wire")
+        "wire", "status", "statuspage", "builtinmvp", "reload")
 NO_IO = ("aiohttp", "asyncio", "socket", "ssl", "selectors", "http", "urllib.request",
          "multidict", "yarl", "subprocess")
 

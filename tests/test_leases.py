@@ -456,3 +456,37 @@ async def test_the_membership_identity_may_touch_leases_and_nothing_else(sim):
         assert status == 403
     finally:
         await client.close()
+
+
+def test_a_reload_applies_static_peers_and_keeps_lease_settings(tmp_path):
+    from mvproxy.config import load_config
+    from mvproxy.reload import merge
+
+    init_pki(tmp_path / "pki", ["a"])
+    p = tmp_path / "pki"
+    base = {"serverID": "a", "tlsCertFile": str(p / "a/mvproxy.crt"),
+            "tlsPrivateKeyFile": str(p / "a/mvproxy.key"), "backend.url": "https://127.0.0.1:6444",
+            "backend.certFile": str(p / "a/front-proxy-client.crt"),
+            "backend.keyFile": str(p / "a/front-proxy-client.key"),
+            "peer.caFile": str(p / "ca.crt"), "peer.clientCAFile": str(p / "front-proxy-ca.crt"),
+            "peer.certFile": str(p / "a/front-proxy-client.crt"),
+            "peer.keyFile": str(p / "a/front-proxy-client.key"),
+            "peer.advertiseURL": "https://127.0.0.1:6443", "peers.leases.enabled": True}
+    old = load_config(None, overrides=base)
+    new = load_config(None, overrides={
+        **base, "peers.leases.renewPeriod": "2s", "peers.dns.name": "mvproxy.test",
+        "peers.static": [{"serverID": "b", "url": "https://10.0.0.2:6443"}]})
+    running, applied, kept = merge(old, new)
+    assert applied == ["peers"] and sorted(kept) == ["peers.dns", "peers.leases"]
+    assert [p.server_id for p in running.peers] == ["b"]
+    assert running.membership.leases == old.membership.leases
+    assert running.membership.dns == old.membership.dns
+
+
+def test_peers_say_where_membership_learnt_of_them():
+    from mvproxy.status import membership_sources
+
+    static = StaticMembership([Peer("apiserver-b", "https://10.0.0.2:6443")])
+    leased = StaticMembership([Peer("apiserver-c", "https://10.0.0.3:6443", "lease")])
+    combined = CombinedMembership(static, [leased], own_id="apiserver-a")
+    assert membership_sources(combined)() == {"apiserver-b": "static", "apiserver-c": "lease"}

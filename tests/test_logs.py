@@ -93,3 +93,27 @@ def test_secrets_inside_structured_values_and_secret_named_keys_are_masked(captu
     text = out.getvalue()
     for secret in ("s3cr3t-value", "t0k3n-value", "dXNlcjpwYXNzd29yZA=="):
         assert secret not in text
+
+
+def test_throttle_logs_once_per_interval_and_counts_what_it_left_out(caplog):
+    """Request-path warnings: one line per message per interval, whatever the request
+    rate; the next line says how many were left out."""
+    from mvproxy.logs import Throttle
+
+    now = [0.0]
+    throttle = Throttle(interval=60.0, clock=lambda: now[0])
+    logger = logging.getLogger("mvproxy.test.throttle")
+    with caplog.at_level(logging.WARNING, logger="mvproxy.test.throttle"):
+        logged = [throttle.warning(logger, "backend down", error="refused") for _ in range(100)]
+        throttle.warning(logger, "another message")
+        now[0] = 61.0
+        throttle.warning(logger, "backend down", error="refused")
+    assert logged.count(True) == 1
+    lines = [r for r in caplog.records if r.name == "mvproxy.test.throttle"]
+    assert [r.getMessage() for r in lines] == ["backend down", "another message", "backend down"]
+    assert kv_fields(lines[2])["suppressed_since_last"] == 99
+    assert "suppressed_since_last" not in kv_fields(lines[0])
+
+
+def kv_fields(record: logging.LogRecord) -> dict:
+    return getattr(record, logs._KV_ATTR, {})

@@ -658,3 +658,22 @@ async def test_a_membership_change_is_reconciled_at_once_not_after_the_interval(
         runner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await runner
+
+
+async def test_a_first_poll_that_fails_is_retried_soon_not_after_an_interval(harness):
+    """A peer that starts a moment after us (or answers 500 while it warms up) is seen
+    within a second, although the poll interval here is an hour: never-fetched servers
+    are retried after FIRST_RETRY, doubling, capped at the interval."""
+    h = await harness(interval=3600.0)
+    fake = h.fakes[PEER_B]
+    fake.mode = "500"
+    runner = asyncio.create_task(h.poller.run())
+    try:
+        await wait_until(lambda: len(fake.requests) >= 4, "a second poll of the failing peer")
+        assert PEER_B not in h.cache.view().reachable
+        fake.mode = "ok"
+        await wait_until(lambda: PEER_B in h.cache.view().reachable, "the peer, once it answers")
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
