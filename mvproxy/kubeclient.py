@@ -88,14 +88,15 @@ class KubeClient:
             raise KubeError(0, "unreachable", f"{method} {path}: {type(exc).__name__}") from None
 
     async def watch(self, path: str, params: Mapping[str, str],
-                    head_timeout: float) -> AsyncIterator[dict[str, Any]]:
-        """The events of one watch request, until the server ends it."""
+                    idle_timeout: float) -> AsyncIterator[dict[str, Any]]:
+        """The events of one watch request, until the server ends it or says nothing
+        for ``idle_timeout`` (a silently dead connection ends like a finished watch)."""
         session = self._open()
         try:
             response = await session.get(
                 self.base_url + path, params={**params, "watch": "true"},
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
-                                              sock_read=head_timeout))
+                                              sock_read=idle_timeout))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(0, "unreachable", f"watch {path}: {type(exc).__name__}") from None
         async with response:
@@ -117,7 +118,9 @@ class KubeClient:
                             if not isinstance(event, dict):
                                 raise KubeError(200, "malformed", f"watch {path}: not an event")
                             yield event
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except TimeoutError:
+                return  # idle past idle_timeout: the caller watches again
+            except (aiohttp.ClientError, OSError) as exc:
                 raise KubeError(0, "unreachable", f"watch {path}: {type(exc).__name__}") from None
 
 

@@ -224,7 +224,11 @@ class LeaseMembership:
                   "allowWatchBookmarks": "true",
                   "timeoutSeconds": str(self._rng.randint(300, 600))}
         # aclosing: a cancelled watch releases its connection now, not when GC finds it
-        async with contextlib.aclosing(self.client.watch(self._path, params, 660.0)) as events:
+        # Healthy watches carry a renewal at least every renew period (ours, or a
+        # kube-apiserver's every 10 s); silence for two means a dead connection, found
+        # before the peers' Leases would look expired.
+        idle = max(2 * self.renew_period, 1.0)
+        async with contextlib.aclosing(self.client.watch(self._path, params, idle)) as events:
             return await self._consume(selector, rv, events)
 
     async def _consume(self, selector: str, rv: str, events) -> tuple[str, int]:

@@ -490,3 +490,34 @@ def test_peers_say_where_membership_learnt_of_them():
     leased = StaticMembership([Peer("apiserver-c", "https://10.0.0.3:6443", "lease")])
     combined = CombinedMembership(static, [leased], own_id="apiserver-a")
     assert membership_sources(combined)() == {"apiserver-b": "static", "apiserver-c": "lease"}
+
+
+async def test_a_silent_watch_is_abandoned_and_watched_again(sim):
+    from aiohttp import web
+
+    watches = []
+    release = asyncio.Event()
+
+    async def leases(request):
+        if request.query.get("watch") != "true":
+            return web.json_response({"kind": "LeaseList", "metadata": {"resourceVersion": "5"},
+                                      "items": [mvproxy_lease(renew=time.time(), duration=600)]})
+        watches.append(request.query["resourceVersion"])
+        response = web.StreamResponse()
+        await response.prepare(request)  # headers, then nothing, as a dead connection
+        await release.wait()
+        return response
+
+    async with tls_app(sim, {LEASES: leases}) as url:
+        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
+                            url="https://127.0.0.1:7001", duration=3.0, renew_period=0.3,
+                            identity_leases=False)
+        m.hold = False
+        async with running(m):
+            try:
+                await until(lambda: len(watches) >= 2, "a second watch after the silence")
+                assert m.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),)
+            finally:
+                release.set()
+    assert watches[:2] == ["5", "5"]  # resumed from the same resourceVersion, no re-list
