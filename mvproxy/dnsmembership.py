@@ -136,9 +136,7 @@ class DNSMembership:
         if self._metrics is not None:
             self._metrics.membership_rejected.labels("dns", reason).inc()
         key = (address, reason)
-        if key not in self._logged:
-            if len(self._logged) > 1024:
-                self._logged.clear()
+        if key not in self._logged and len(self._logged) < MAX_ADDRESSES * 4:
             self._logged.add(key)
             log.warning("ignoring a DNS address that names no usable peer",
                         extra=kv(name=self.name, address=address, reason=reason, detail=detail))

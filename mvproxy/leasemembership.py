@@ -27,7 +27,7 @@ from typing import Any
 from mvproxy.kubeclient import KubeClient, KubeError
 from mvproxy.leases import (IDENTITY_SELECTOR, MVPROXY_SELECTOR, LeasePeer, LeaseRejected,
                             lease_name, own_lease, parse_lease)
-from mvproxy.logs import kv
+from mvproxy.logs import Throttle, kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
 
@@ -40,6 +40,8 @@ MAX_LEASES = 5000
 MAX_PEERS = 256
 """Peers taken from Leases at most; a flood of valid Leases cannot make us poll thousands."""
 _MAX_LOGGED = 1024
+"""Distinct (Lease, reason) pairs logged one by one; beyond, a throttled summary line."""
+_FLOOD = Throttle(60.0)
 
 
 class _Gone(Exception):
@@ -286,8 +288,10 @@ class LeaseMembership:
         key = (name[:253], exc.reason)
         if key in self._logged:
             return
-        if len(self._logged) >= _MAX_LOGGED:
-            self._logged.clear()
+        if len(self._logged) >= _MAX_LOGGED:  # a flood: one line a minute, with a count
+            _FLOOD.warning(log, "ignoring many Leases that name no usable peer",
+                           reason=exc.reason)
+            return
         self._logged.add(key)
         level = logging.INFO if exc.reason == "no_address" else logging.WARNING
         log.log(level, "ignoring a Lease that names no usable peer",

@@ -521,3 +521,20 @@ async def test_a_silent_watch_is_abandoned_and_watched_again(sim):
             finally:
                 release.set()
     assert watches[:2] == ["5", "5"]  # resumed from the same resourceVersion, no re-list
+
+
+async def test_a_flood_of_bad_leases_is_logged_in_bounded_lines(sim, clean, caplog, monkeypatch):
+    monkeypatch.setattr(leasemembership, "_MAX_LOGGED", 3)
+    monkeypatch.setattr(leasemembership, "_FLOOD", leasemembership.Throttle(3600.0))
+    for i in range(12):
+        lease = mvproxy_lease(f"bad-{i:02}", "http://127.0.0.1:1", renew=time.time())
+        lease["metadata"].pop("resourceVersion", None)
+        assert admin(sim, "POST", LEASES, lease)[0] == 201
+    metrics = Metrics()
+    caplog.set_level(logging.WARNING, logger="mvproxy.leasemembership")
+    a = member(sim, "apiserver-a", 7001, metrics=metrics)
+    async with running(a):
+        await until(lambda: _sample(metrics, "bad_url") >= 12, "every bad Lease counted")
+    lines = [r.getMessage() for r in caplog.records if "name no usable peer" in r.getMessage()]
+    assert lines.count("ignoring a Lease that names no usable peer") == 3
+    assert lines.count("ignoring many Leases that name no usable peer") == 1
