@@ -25,8 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 from mvproxy.kubeclient import KubeClient, KubeError
-from mvproxy.leases import (IDENTITY_SELECTOR, MVPROXY_SELECTOR, LeasePeer, LeaseRejected,
-                            lease_name, own_lease, parse_lease)
+from mvproxy.leases import (
+    IDENTITY_SELECTOR,
+    MVPROXY_SELECTOR,
+    LeasePeer,
+    LeaseRejected,
+    lease_name,
+    own_lease,
+    parse_lease,
+)
 from mvproxy.logs import Throttle, kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics

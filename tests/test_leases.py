@@ -12,19 +12,26 @@ import ssl
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from mvproxy import leasemembership
+from mvproxy.devcluster.launcher import SimProcess, free_port
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
-from mvproxy.leases import (IDENTITY_LABEL, PEER_ADDRESS_ANNOTATION, URL_ANNOTATION,
-                            LeaseRejected, format_time, own_lease, parse_lease, parse_time)
+from mvproxy.leases import (
+    IDENTITY_LABEL,
+    PEER_ADDRESS_ANNOTATION,
+    URL_ANNOTATION,
+    LeaseRejected,
+    format_time,
+    own_lease,
+    parse_lease,
+    parse_time,
+)
 from mvproxy.logs import _KV_ATTR
 from mvproxy.membership import CombinedMembership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
-from mvproxy.devcluster.launcher import SimProcess, free_port
 from mvproxy.pki import client_context, init_pki
 
 NOW = 1_800_000_000.0

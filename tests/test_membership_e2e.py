@@ -14,7 +14,12 @@ import pytest
 
 from mvproxy.config import load_config
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
-from tests.e2e_support import AGGREGATED_V2, aggregated_group_versions, request, wait_until
+from tests.e2e_support import (
+    AGGREGATED_V2,
+    aggregated_group_versions,
+    request,
+    wait_until,
+)
 
 PODGROUPS = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups"
 LEASE = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/mvproxy-apiserver-3"
