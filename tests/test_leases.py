@@ -545,3 +545,63 @@ async def test_a_flood_of_bad_leases_is_logged_in_bounded_lines(sim, clean, capl
     lines = [r.getMessage() for r in caplog.records if "no usable peer" in r.getMessage()]
     assert lines.count("ignoring a Lease that names no usable peer") == 3
     assert lines.count("ignoring many Leases that name no usable peer") == 1
+
+
+# --------------------------------------------------------------------------- in the daemon
+
+
+async def test_a_lease_cannot_make_the_daemon_trust_a_server_that_is_not_a_peer(
+        sim, clean, tmp_path):
+    """A Lease names an impostor (a TLS server whose certificate another CA signed):
+    mvproxy lists it, tries it, and never takes its discovery; and mvproxy's own Lease
+    is there while it runs and gone after a graceful stop."""
+    from mvproxy.app import build_daemon, running as daemon_running
+    from mvproxy.config import load_config
+    from mvproxy.pki import server_context
+
+    init_pki(tmp_path / "other", ["impostor"])
+    impostor = tmp_path / "other/impostor"
+    served = []
+
+    async def handle(reader, writer):
+        served.append(1)  # a completed handshake would get here; it must not
+        writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context(
+        impostor / "mvproxy.crt", impostor / "mvproxy.key"))
+    port = server.sockets[0].getsockname()[1]
+    bad = mvproxy_lease("impostor", f"https://127.0.0.1:{port}", renew=time.time(),
+                        duration=600)
+    bad["metadata"].pop("resourceVersion", None)
+    assert admin(sim, "POST", LEASES, bad)[0] == 201
+
+    p = sim.pki_dir
+    own_port = free_port()
+    cfg = load_config(None, overrides={
+        "serverID": "apiserver-a", "bindAddress": "127.0.0.1", "securePort": own_port,
+        "tlsCertFile": str(p / "apiserver-a/mvproxy.crt"),
+        "tlsPrivateKeyFile": str(p / "apiserver-a/mvproxy.key"),
+        "backend.url": sim.url, "backend.caFile": str(p / "ca.crt"),
+        "backend.certFile": str(p / "apiserver-a/front-proxy-client.crt"),
+        "backend.keyFile": str(p / "apiserver-a/front-proxy-client.key"),
+        "peer.caFile": str(p / "ca.crt"), "peer.clientCAFile": str(p / "front-proxy-ca.crt"),
+        "peer.certFile": str(p / "apiserver-a/front-proxy-client.crt"),
+        "peer.keyFile": str(p / "apiserver-a/front-proxy-client.key"),
+        "peer.advertiseURL": f"https://127.0.0.1:{own_port}",
+        "peers.leases": {"enabled": True, "leaseDuration": "3s", "renewPeriod": "1s"},
+        "discovery.pollInterval": "200ms", "admin.bindAddress": "127.0.0.1", "admin.port": 0,
+        "timeouts.shutdownGracePeriod": "0s"})
+    daemon = build_daemon(cfg)
+    try:
+        async with daemon_running(daemon):
+            await until(lambda: (s := daemon.cache.state("impostor")) is not None and s.polled,
+                        "the impostor tried")
+            state = daemon.cache.state("impostor")
+            assert not state.reachable and state.snapshot is None, state
+            assert "impostor" not in daemon.cache.view().reachable
+            await until(lambda: admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-a")[0] == 200,
+                        "our own Lease")
+        assert admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-a")[0] == 404  # released
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert served == []
