@@ -34,7 +34,7 @@ async def backend(aiohttp_server, root):
 
 
 def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] = (),
-                 nofile: int | None = None, **listener: object):
+                 nofile: int | None = None, extra: dict | None = None, **listener: object):
     """(process, port, admin port, stop); ``stop()`` ends it (SIGTERM, then SIGKILL)
     and returns its log."""
     port, admin = free_port(), free_port()
@@ -51,6 +51,7 @@ def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] =
         "admin": {"bindAddress": "127.0.0.1", "port": admin},
         "timeouts": {"shutdownGracePeriod": "2s"},
         "listener": {"headerReadTimeout": "30s", "idleTimeout": "30s", **listener},
+        **(extra or {}),
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed by stop()
