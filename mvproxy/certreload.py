@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import ssl
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -44,6 +46,9 @@ ROLE_OF_SETTING = {
     "peer.caFile": "peer-ca",
 }
 """YAML setting -> ``role`` label: a fixed set, whatever the files hold."""
+
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""Larger than any certificate or CA bundle (a full system trust store is ~250 KB)."""
 
 MAX_CAS_REPORTED = 16
 """Expiry series per CA bundle: the earliest-expiring ones, so a bundle copied from a
@@ -77,22 +82,20 @@ class Unit:
         """Fingerprint of the last version refused: not retried, not logged again."""
         self.expiries: tuple[tuple[str, int, float], ...] = ()
 
-    def fingerprint(self) -> bytes:
-        """Hash of every file's content (or of why it cannot be read)."""
-        digest = hashlib.sha256()
+    def fingerprint(self) -> tuple[bytes, list[str]]:
+        """Hash of every file's content (or of why it cannot be read), and the files
+        that must not be read at all (not a regular file, oversized)."""
+        digest, unusable = hashlib.sha256(), []
         for path in self.files:
-            try:
-                with open(path, "rb") as handle:
-                    data = handle.read()
-            except OSError as exc:
-                data = f"unreadable: {exc.errno}".encode()
-            digest.update(len(path).to_bytes(4, "big") + path.encode())
-            digest.update(hashlib.sha256(data).digest())
-        return digest.digest()
+            data, problem = _file_digest(path)
+            digest.update(len(path).to_bytes(4, "big") + path.encode() + data)
+            if problem:
+                unusable.append(problem)
+        return digest.digest(), unusable
 
     def load(self) -> None:
         """Start-up: build and apply, or raise ``PKIError``."""
-        fingerprint = self.fingerprint()
+        fingerprint, _ = self.fingerprint()
         material = self._build()
         material.apply()
         self.loaded, self.expiries = fingerprint, material.expiries
@@ -104,7 +107,8 @@ class Unit:
 class CertificateReloader:
     """Checks the units' files and swaps in new material that passes the checks."""
 
-    def __init__(self, units: Iterable[Unit], *, problems: Callable[[], list[Problem]],
+    def __init__(self, units: Iterable[Unit], *,
+                 problems: Callable[[frozenset[str]], list[Problem]],
                  on_refused: Callable[[str], None] | None = None):
         self.units = tuple(units)
         self._problems = problems
@@ -127,7 +131,7 @@ class CertificateReloader:
         return reloaded
 
     def _check(self, unit: Unit) -> bool:
-        fingerprint = unit.fingerprint()
+        fingerprint, unusable = unit.fingerprint()
         if fingerprint == unit.loaded:
             if unit.refused is not None:
                 log.info("certificate files are back to the ones in use", extra=kv(unit=unit.name))
@@ -135,9 +139,10 @@ class CertificateReloader:
             return False
         if fingerprint == unit.refused:
             return False
-        refusals: list[tuple[str, str]] = [
-            (ROLE_OF_SETTING.get(p.path, unit.role), f"{p.path}: {p.message}")
-            for p in self._problems() if p.path in unit.settings]
+        refusals: list[tuple[str, str]] = [(unit.role, problem) for problem in unusable]
+        if not refusals:
+            refusals = [(ROLE_OF_SETTING.get(p.path, unit.role), f"{p.path}: {p.message}")
+                        for p in self._problems(unit.settings) if p.path in unit.settings]
         material = None
         if not refusals:
             try:
@@ -148,7 +153,7 @@ class CertificateReloader:
                 refusals = [(exc.role, exc.message)]
             except (ssl.SSLError, OSError, ValueError) as exc:
                 refusals = [(unit.role, f"cannot load: {exc}")]
-        if unit.fingerprint() != fingerprint:
+        if unit.fingerprint()[0] != fingerprint:
             return False  # still being written: look again at the next check
         if refusals:
             unit.refused = fingerprint
@@ -172,6 +177,23 @@ class CertificateReloader:
                 self.check_now()
             except Exception:  # a bug here must not stop rotation for good, nor serving
                 log.exception("certificate reload check failed")
+
+
+def _file_digest(path: str) -> tuple[bytes, str | None]:
+    """SHA-256 of a file, read in chunks; never blocks on a FIFO put in its place, and
+    never reads a file no certificate bundle could need to be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"unreadable: {exc.errno}".encode(), None  # the checks name it
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return b"not a regular file", f"{path} is not a regular file"
+        if info.st_size > MAX_FILE_BYTES:
+            return (f"oversized: {info.st_size} {info.st_mtime_ns} {info.st_ino}".encode(),
+                    f"{path} is larger than {MAX_FILE_BYTES} bytes")
+        return hashlib.file_digest(handle, "sha256").digest(), None
 
 
 class _RoleError(Exception):
@@ -229,7 +251,8 @@ class DaemonTLS:
         if cfg.peers or cfg.peer.cert_file:
             units.append(self._peer_unit(cfg))
         self.reloader = CertificateReloader(
-            units, problems=lambda: preflight.material_problems(cfg), on_refused=on_refused)
+            units, problems=lambda settings: preflight.material_problems(cfg, settings),
+            on_refused=on_refused)
         self.reloader.load()
 
     def _listener_unit(self, cfg: Config, identity: IdentityResolver) -> Unit:

@@ -364,7 +364,8 @@ def test_a_file_still_being_written_is_looked_at_again_not_refused(tmp_path):
 
     unit = Unit("listener", files=[str(watched)], settings=(), role="serving",
                 build=lambda: Material(lambda: None, ()))
-    reloader = CertificateReloader([unit], problems=list, on_refused=refused.append)
+    reloader = CertificateReloader([unit], problems=lambda settings: [],
+                                   on_refused=refused.append)
     reloader.load()
     unit._build = build
     watched.write_bytes(b"v2")
@@ -374,29 +375,68 @@ def test_a_file_still_being_written_is_looked_at_again_not_refused(tmp_path):
 
 
 def test_every_loaded_certificate_has_an_expiry_each_ca_of_a_bundle_its_own(root, tmp_path):  # noqa: F811
+    import dataclasses
+
     from mvproxy.app import build_daemon
-    from mvproxy.config import load_config
 
     other = tmp_path / "other"
     pki.init_pki(other, ["x"], days=9)
     bundle = tmp_path / "bundle.crt"
     bundle.write_bytes((root / "ca.crt").read_bytes() + (other / "ca.crt").read_bytes())
-    cfg = load_config(None, overrides={
-        "serverID": "a", "tlsCertFile": str(root / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"), "clientCAFile": str(bundle),
-        "backend.url": "https://127.0.0.1:1", "backend.caFile": str(root / "ca.crt"),
-        "backend.certFile": str(root / "a" / "front-proxy-client.crt"),
-        "backend.keyFile": str(root / "a" / "front-proxy-client.key"),
-        "peer.caFile": str(root / "ca.crt"),
-        "peer.clientCAFile": str(root / "front-proxy-ca.crt"),
-        "peer.certFile": str(root / "a" / "front-proxy-client.crt"),
-        "peer.keyFile": str(root / "a" / "front-proxy-client.key"),
-        "peers.static": [{"serverID": "b", "url": "https://127.0.0.1:2"}]})
+    cfg = dataclasses.replace(standalone(root), client_ca_file=str(bundle))
     daemon = build_daemon(cfg)
     loaded = {(role, index) for role, index, _ in daemon.certificates.expiries()}
     assert loaded == {("serving", 0), ("client-ca", 0), ("client-ca", 1), ("peer-client-ca", 0),
                       ("backend-client", 0), ("backend-ca", 0), ("peer-client", 0),
                       ("peer-ca", 0)}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "oversized"])
+async def test_a_fifo_or_a_huge_file_in_place_of_a_certificate_is_refused_unread(
+        root, tmp_path, kind):  # noqa: F811
+    """Whoever can write the mounted directory cannot stall the event loop on a FIFO
+    (an open for reading would wait for a writer) or make every check read gigabytes."""
+    from mvproxy.app import build_daemon
+
+    tree = tmp_path / "pki"
+    shutil.copytree(root, tree)
+    daemon = build_daemon(standalone(tree))
+    serving = daemon.listener_ssl.context
+    crt = tree / "a" / "mvproxy.crt"
+    crt.unlink()
+    if kind == "fifo":
+        os.mkfifo(crt)
+    else:
+        with open(crt, "wb") as handle:  # sparse: nothing is written to the disk
+            handle.truncate(64 * 1024 * 1024)
+    try:
+        for _ in range(2):
+            done = await asyncio.wait_for(asyncio.to_thread(daemon.certificates.check_now), WAIT)
+            assert done == []
+        assert daemon.metrics.certificate_reload_errors.labels("serving")._value.get() == 1
+        assert daemon.listener_ssl.context is serving
+    finally:
+        if kind == "fifo":  # a check stuck on it (the bug this guards against) ends
+            with contextlib.suppress(OSError):
+                os.close(os.open(crt, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def standalone(tree: Path):
+    """A configuration of every certificate setting, for a daemon that is built only."""
+    from mvproxy.config import load_config
+
+    return load_config(None, overrides={
+        "serverID": "a", "tlsCertFile": str(tree / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(tree / "a" / "mvproxy.key"),
+        "clientCAFile": str(tree / "ca.crt"),
+        "backend.url": "https://127.0.0.1:1", "backend.caFile": str(tree / "ca.crt"),
+        "backend.certFile": str(tree / "a" / "front-proxy-client.crt"),
+        "backend.keyFile": str(tree / "a" / "front-proxy-client.key"),
+        "peer.caFile": str(tree / "ca.crt"),
+        "peer.clientCAFile": str(tree / "front-proxy-ca.crt"),
+        "peer.certFile": str(tree / "a" / "front-proxy-client.crt"),
+        "peer.keyFile": str(tree / "a" / "front-proxy-client.key"),
+        "peers.static": [{"serverID": "b", "url": "https://127.0.0.1:2"}]})
 
 
 # --------------------------------------------------------------------------- end to end
