@@ -25,6 +25,7 @@ import ssl
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from cryptography import x509
 
@@ -74,7 +75,8 @@ class Unit:
         self.settings = frozenset(settings)
         """YAML paths whose start-up problems block this unit."""
         self.role = role
-        """Role counted when the material passes the checks but does not build."""
+        """Role counted when no setting is to blame: a file that must not be read, or
+        material that passes the checks but does not build."""
         self._build = build
         self.loaded: bytes | None = None
         """Fingerprint of the files in use."""
@@ -165,8 +167,10 @@ class CertificateReloader:
         assert material is not None
         material.apply()
         unit.loaded, unit.refused, unit.expiries = fingerprint, None, material.expiries
+        earliest = min((e for _, _, e in material.expiries), default=None)
         log.info("certificates reloaded; new connections use them", extra=kv(
-            unit=unit.name, expires=min((e for _, _, e in material.expiries), default=None)))
+            unit=unit.name, earliest_expiry=None if earliest is None else
+            datetime.fromtimestamp(earliest, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
         return True
 
     async def run(self, interval: float) -> None:
