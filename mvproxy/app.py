@@ -27,6 +27,7 @@ from aiohttp import web
 
 from mvproxy import pki, reload
 from mvproxy.admin import build_admin_app
+from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.cache import DiscoveryCache
 from mvproxy.config import Config
 from mvproxy.discoveryhandler import DiscoveryHandler
@@ -49,7 +50,7 @@ class Daemon:
     """The completed parts of one mvproxy; built once, then only run."""
 
     config: Config
-    listener_ssl: ssl.SSLContext
+    listener_ssl: pki.SwappableContext
     metrics: Metrics
     cache: DiscoveryCache
     transport: Transport
@@ -61,24 +62,16 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    certificates: CertificateReloader
+    """Re-reads changed certificate files every ``certificates.reloadInterval``."""
     membership: StaticMembership
-    peer_ssl: ssl.SSLContext | None
+    peer_ssl: pki.SwappableContext | None
     """Client context toward peers (None: started without peer TLS material)."""
     peer_sources: Sources | None = None
     """Where membership learnt of each peer, for the admin status endpoints."""
 
 
-def _listener_context(cfg: Config) -> ssl.SSLContext:
-    """Serving context; client certificates optional, verified by the client CA or the
-    peer client CA if sent (``identity`` then tells which one issued it)."""
-    ctx = pki.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
-    if cfg.peer.client_ca_file and cfg.peer.client_ca_file != cfg.client_ca_file:
-        ctx.load_verify_locations(cafile=cfg.peer.client_ca_file)
-        ctx.verify_mode = ssl.CERT_OPTIONAL
-    return ctx
-
-
-def _peer_upstreams(membership: Membership, peer_ssl: ssl.SSLContext | None):
+def _peer_upstreams(membership: Membership, peer_ssl: pki.SwappableContext | None):
     """A function giving the current peers as Upstreams, rebuilt only when they change."""
     cached: dict[tuple[Peer, ...], Mapping[str, Upstream]] = {}
 
@@ -99,19 +92,22 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     metrics = Metrics()
     transport = Transport(connect_timeout=cfg.timeouts.connect,
                           request_timeout=cfg.timeouts.request)
+    identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
+                                peer_client_ca_file=cfg.peer.client_ca_file,
+                                peer_allowed_names=cfg.peer.allowed_names)
+    tls = DaemonTLS(cfg, identity,
+                    on_refused=lambda role: metrics.certificate_reload_errors.labels(role).inc())
     backend_url = cfg.backend.url.rstrip("/")
-    backend = Upstream("backend", backend_url, pki.client_context(
-        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file),
-        anonymous=Upstream("backend", backend_url, pki.client_context(cfg.backend.ca_file),
-                           presents_certificate=False))
+    backend = Upstream("backend", backend_url, tls.backend,
+                       anonymous=Upstream("backend", backend_url, tls.backend_anonymous,
+                                          presents_certificate=False))
     membership = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
-    peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
-                if cfg.peer.ca_file and cfg.peer.cert_file and cfg.peer.key_file else None)
+    peer_ssl = tls.peer  # None: started without peer TLS material
     peers = _peer_upstreams(membership, peer_ssl)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
     metrics.watch_peers(lambda: _peer_states(cache))
-    metrics.watch_certificates(_certificates(cfg))
+    metrics.watch_certificates(tls.reloader.expiries)
     poll_transport = Transport(connect_timeout=cfg.timeouts.connect,
                                request_timeout=cfg.timeouts.request, max_idle_per_upstream=2)
 
@@ -136,9 +132,6 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
                                  max_bytes=cfg.discovery.max_document_bytes,
                                  retry_after=retry_after)
-    identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
-                                peer_client_ca_file=cfg.peer.client_ca_file,
-                                peer_allowed_names=cfg.peer.allowed_names)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
                   rng=rng or random.Random(), retry_after=retry_after)
@@ -146,9 +139,9 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     idle_timeout=cfg.listener.idle_timeout,
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
-    return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event(), membership, peer_ssl,
-                  membership_sources(membership))
+    return Daemon(cfg, tls.listener, metrics, cache, transport, poll_transport,
+                  poller, proxy, identity, limits, asyncio.Event(), tls.reloader, membership,
+                  peer_ssl, membership_sources(membership))
 
 
 FD_RESERVE = 128
@@ -167,13 +160,6 @@ def _derived_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return max(16, (soft - FD_RESERVE) // 2)
-
-
-def _certificates(cfg: Config) -> dict[str, str]:
-    """Role -> certificate file mvproxy presents, for the expiry metric."""
-    roles = {"serving": cfg.tls_cert_file, "backend-client": cfg.backend.cert_file,
-             "peer-client": cfg.peer.cert_file}
-    return {role: path for role, path in roles.items() if path}
 
 
 def _peer_states(cache: DiscoveryCache):
@@ -200,6 +186,10 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
     stops everything."""
     cfg = daemon.config
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
+    reload_every = cfg.certificates.reload_interval
+    reloader = asyncio.create_task(daemon.certificates.run(reload_every)
+                                   if reload_every > 0 else asyncio.sleep(0),
+                                   name="mvproxy-certificates")
     listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
                         limits=daemon.limits,
                         ssl_context=daemon.listener_ssl,
@@ -235,7 +225,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
         await listener.close()
         await admin.cleanup()
         poller.cancel()
-        await asyncio.gather(poller, return_exceptions=True)
+        reloader.cancel()
+        await asyncio.gather(poller, reloader, return_exceptions=True)
         await daemon.transport.close()
         await daemon.poll_transport.close()
 
