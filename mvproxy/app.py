@@ -27,6 +27,7 @@ from aiohttp import web
 
 from mvproxy import pki, reload
 from mvproxy.admin import build_admin_app
+from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.cache import DiscoveryCache
 from mvproxy.config import Config
 from mvproxy.discoveryhandler import DiscoveryHandler
@@ -52,7 +53,7 @@ class Daemon:
     """The completed parts of one mvproxy; built once, then only run."""
 
     config: Config
-    listener_ssl: ssl.SSLContext
+    listener_ssl: pki.SwappableContext
     metrics: Metrics
     cache: DiscoveryCache
     transport: Transport
@@ -64,8 +65,10 @@ class Daemon:
     limits: Limits
     draining: asyncio.Event
     """Set on SIGTERM: /readyz fails so load balancers stop sending new requests."""
+    certificates: CertificateReloader
+    """Re-reads changed certificate files every ``certificates.reloadInterval``."""
     membership: StaticMembership
-    peer_ssl: ssl.SSLContext | None
+    peer_ssl: pki.SwappableContext | None
     """Client context toward peers (None: started without peer TLS material)."""
     peer_sources: Sources | None = None
     """Where membership learnt of each peer, for the admin status endpoints."""
@@ -75,17 +78,7 @@ class Daemon:
     """DNS membership (``peers.dns``): run beside the poller."""
 
 
-def _listener_context(cfg: Config) -> ssl.SSLContext:
-    """Serving context; client certificates optional, verified by the client CA or the
-    peer client CA if sent (``identity`` then tells which one issued it)."""
-    ctx = pki.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
-    if cfg.peer.client_ca_file and cfg.peer.client_ca_file != cfg.client_ca_file:
-        ctx.load_verify_locations(cafile=cfg.peer.client_ca_file)
-        ctx.verify_mode = ssl.CERT_OPTIONAL
-    return ctx
-
-
-def _peer_upstreams(membership: Membership, peer_ssl: ssl.SSLContext | None):
+def _peer_upstreams(membership: Membership, peer_ssl: pki.SwappableContext | None):
     """A function giving the current peers as Upstreams, rebuilt only when they change."""
     cached: dict[tuple[Peer, ...], Mapping[str, Upstream]] = {}
 
@@ -106,16 +99,19 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     metrics = Metrics()
     transport = Transport(connect_timeout=cfg.timeouts.connect,
                           request_timeout=cfg.timeouts.request)
+    identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
+                                peer_client_ca_file=cfg.peer.client_ca_file,
+                                peer_allowed_names=cfg.peer.allowed_names)
+    tls = DaemonTLS(cfg, identity,
+                    on_refused=lambda role: metrics.certificate_reload_errors.labels(role).inc())
     backend_url = cfg.backend.url.rstrip("/")
-    backend = Upstream("backend", backend_url, pki.client_context(
-        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file),
-        anonymous=Upstream("backend", backend_url, pki.client_context(cfg.backend.ca_file),
-                           presents_certificate=False))
+    backend = Upstream("backend", backend_url, tls.backend,
+                       anonymous=Upstream("backend", backend_url, tls.backend_anonymous,
+                                          presents_certificate=False))
     membership_changed = asyncio.Event()
-    peer_ssl = (pki.client_context(cfg.peer.ca_file, cfg.peer.cert_file, cfg.peer.key_file)
-                if cfg.peer.ca_file and cfg.peer.cert_file and cfg.peer.key_file else None)
+    peer_ssl = tls.peer  # None: started without peer TLS material
     static = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
-    leases = _lease_membership(cfg, metrics, membership_changed.set)
+    leases = _lease_membership(cfg, metrics, membership_changed.set, tls.backend)
     dns = _dns_membership(cfg, metrics, membership_changed.set, peer_ssl)
     membership = CombinedMembership(
         static, [source for source in (leases, dns) if source is not None],
@@ -124,7 +120,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
     metrics.watch_peers(lambda: _peer_states(cache))
-    metrics.watch_certificates(_certificates(cfg))
+    metrics.watch_certificates(tls.reloader.expiries)
     poll_transport = Transport(connect_timeout=cfg.timeouts.connect,
                                request_timeout=cfg.timeouts.request, max_idle_per_upstream=2)
 
@@ -149,9 +145,6 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
                                  max_bytes=cfg.discovery.max_document_bytes,
                                  retry_after=retry_after)
-    identity = IdentityResolver(client_ca_file=cfg.client_ca_file,
-                                peer_client_ca_file=cfg.peer.client_ca_file,
-                                peer_allowed_names=cfg.peer.allowed_names)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
                   rng=rng or random.Random(), retry_after=retry_after)
@@ -159,13 +152,13 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     idle_timeout=cfg.listener.idle_timeout,
                     max_header_bytes=cfg.listener.max_header_bytes,
                     max_connections=cfg.listener.max_connections or _derived_max_connections())
-    return Daemon(cfg, _listener_context(cfg), metrics, cache, transport, poll_transport,
-                  poller, proxy, identity, limits, asyncio.Event(), static, peer_ssl,
-                  membership_sources(membership), leases, dns)
+    return Daemon(cfg, tls.listener, metrics, cache, transport, poll_transport,
+                  poller, proxy, identity, limits, asyncio.Event(), tls.reloader, static,
+                  peer_ssl, membership_sources(membership), leases, dns)
 
 
 def _dns_membership(cfg: Config, metrics: Metrics, on_change,
-                    peer_ssl: ssl.SSLContext | None) -> DNSMembership | None:
+                    peer_ssl: pki.SwappableContext | None) -> DNSMembership | None:
     dns = cfg.membership.dns
     if dns.name is None or peer_ssl is None:
         return None
@@ -174,14 +167,15 @@ def _dns_membership(cfg: Config, metrics: Metrics, on_change,
                          on_change=on_change)
 
 
-def _lease_membership(cfg: Config, metrics: Metrics, on_change) -> LeaseMembership | None:
-    """Lease membership talks to the backend as a front proxy (README "Membership")."""
+def _lease_membership(cfg: Config, metrics: Metrics, on_change,
+                      backend_ssl: pki.SwappableContext) -> LeaseMembership | None:
+    """Lease membership talks to the backend as a front proxy (README "Membership"),
+    with the backend client certificate in use now (it rotates with the others)."""
     leases = cfg.membership.leases
     if not leases.enabled:
         return None
-    client = KubeClient(cfg.backend.url, pki.client_context(
-        cfg.backend.ca_file, cfg.backend.cert_file, cfg.backend.key_file), cfg.server_id,
-        timeout=min(cfg.timeouts.request, max(1.0, leases.renew_period)))
+    client = KubeClient(cfg.backend.url, backend_ssl, cfg.server_id,
+                        timeout=min(cfg.timeouts.request, max(1.0, leases.renew_period)))
     return LeaseMembership(client=client, server_id=cfg.server_id, namespace=leases.namespace,
                            url=cfg.peer.advertise_url or "", duration=leases.lease_duration,
                            renew_period=leases.renew_period,
@@ -205,13 +199,6 @@ def _derived_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return max(16, (soft - FD_RESERVE) // 2)
-
-
-def _certificates(cfg: Config) -> dict[str, str]:
-    """Role -> certificate file mvproxy presents, for the expiry metric."""
-    roles = {"serving": cfg.tls_cert_file, "backend-client": cfg.backend.cert_file,
-             "peer-client": cfg.peer.cert_file}
-    return {role: path for role, path in roles.items() if path}
 
 
 def _peer_states(cache: DiscoveryCache):
@@ -245,6 +232,10 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
     dns_task = (asyncio.create_task(daemon.dns.run(), name="mvproxy-dns")
                 if daemon.dns is not None else None)
     poller = asyncio.create_task(daemon.poller.run(), name="mvproxy-poller")
+    reload_every = cfg.certificates.reload_interval
+    reloader = asyncio.create_task(daemon.certificates.run(reload_every)
+                                   if reload_every > 0 else asyncio.sleep(0),
+                                   name="mvproxy-certificates")
     listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
                         limits=daemon.limits,
                         ssl_context=daemon.listener_ssl,
@@ -288,7 +279,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
         await listener.close()
         await admin.cleanup()
         poller.cancel()
-        await asyncio.gather(poller, return_exceptions=True)
+        reloader.cancel()
+        await asyncio.gather(poller, reloader, return_exceptions=True)
         await daemon.transport.close()
         await daemon.poll_transport.close()
 

@@ -530,6 +530,16 @@ class ListenerConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CertificatesConfig:
+    """Re-reading certificate files while running (YAML ``certificates``)."""
+
+    reload_interval: float = _key("reloadInterval", _duration(allow_zero=True), default=5.0)
+    """Seconds between checks of every certificate, key and CA file for a change (5s; 0:
+    never, a restart is then needed). A changed file that parses and passes the
+    start-up checks is used for new connections; a broken one is logged and ignored."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """Everything ``mvproxy run`` needs, validated; built only by ``load_config`` (or tests)."""
 
@@ -565,6 +575,9 @@ class Config:
     """Upstream connect/request timeouts and the shutdown grace period."""
     listener: ListenerConfig = _key("listener", _Section(ListenerConfig), default_factory=ListenerConfig)
     """Limits of the downstream listener: header and idle timeouts, sizes, connections."""
+    certificates: CertificatesConfig = _key("certificates", _Section(CertificatesConfig),
+                                            default_factory=CertificatesConfig)
+    """How often certificate files are checked for rotation."""
     workers: int = _key("workers", _integer(1, 64), default=1)
     """Processes serving ``securePort`` together (SO_REUSEPORT), each on one core (1).
     Above 1 a supervisor process runs the admin listener, adds the workers' metrics up

@@ -27,6 +27,7 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.logs import kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
+from mvproxy.pki import SwappableContext, current_context
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def _is_ip(text: str) -> bool:
 
 
 class DNSMembership:
-    def __init__(self, *, name: str, port: int, interval: float, ssl_context: ssl.SSLContext,
+    def __init__(self, *, name: str, port: int, interval: float,
+                 ssl_context: ssl.SSLContext | SwappableContext,
                  timeout: float, metrics: Metrics | None = None,
                  on_change: Callable[[], None] | None = None, resolver: Resolver = resolve):
         self.name, self.port, self.interval = name, port, interval
@@ -116,8 +118,8 @@ class DNSMembership:
         writer = None
         try:
             async with asyncio.timeout(self._timeout):
-                _, writer = await asyncio.open_connection(address, self.port, ssl=self._ssl,
-                                                          server_hostname=address)
+                _, writer = await asyncio.open_connection(
+                    address, self.port, ssl=current_context(self._ssl), server_hostname=address)
                 cert = writer.get_extra_info("peercert") or {}
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             self._reject(address, "unverified" if isinstance(exc, ssl.SSLError) else "unreachable",

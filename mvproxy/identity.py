@@ -22,9 +22,10 @@ Identity headers from a non-peer are removed before forwarding: otherwise any
 client could claim to be ``system:masters``. ``Impersonate-*`` headers stay: the
 backend authorizes impersonation itself.
 
-Pure apart from reading the CA files once at construction; resolving a certificate
-is memoised by its DER bytes, since a connection's certificate repeats on every
-request it carries.
+Pure apart from reading the CA files at construction; resolving a certificate is
+memoised by its DER bytes, since a connection's certificate repeats on every request
+it carries. A certificate reload hands over new CAs (``use_cas``) and the memo goes,
+so a removed CA stops identifying anyone at once.
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ class IdentityResolver:
         self._allowed = frozenset(peer_allowed_names)
         self._memo: OrderedDict[bytes, Downstream] = OrderedDict()
         self._memo_size = memo_size
+
+    def use_cas(self, client_cas: tuple[x509.Certificate, ...],
+                peer_cas: tuple[x509.Certificate, ...]) -> None:
+        """Trust these CAs from now on (reloaded files); forget every memoised answer."""
+        self._client_cas, self._peer_cas = tuple(client_cas), tuple(peer_cas)
+        self._memo.clear()
 
     def resolve(self, der: bytes | None) -> Downstream:
         if not der:

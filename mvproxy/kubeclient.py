@@ -20,6 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from mvproxy.pki import SwappableContext, current_context
+
 USER_PREFIX = "system:mvproxy:"
 GROUP = "system:mvproxies"
 
@@ -35,7 +37,8 @@ class KubeError(Exception):
 
 
 class KubeClient:
-    def __init__(self, base_url: str, ssl_context: ssl.SSLContext, server_id: str, *,
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | SwappableContext,
+                 server_id: str, *,
                  timeout: float, max_bytes: int = 8 << 20, max_line: int = 1 << 20):
         self.base_url = base_url.rstrip("/")
         self._ssl = ssl_context
@@ -54,11 +57,15 @@ class KubeClient:
         self._sockets.add(sock)
         return sock
 
+    def _context(self) -> ssl.SSLContext:
+        """The context in use now: a rotated backend certificate takes effect on the
+        next connection (aiohttp keys its pool by context)."""
+        return current_context(self._ssl)
+
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=4,
-                                               socket_factory=self._socket),
+                connector=aiohttp.TCPConnector(limit=4, socket_factory=self._socket),
                 headers=self._headers, auto_decompress=False)
         return self._session
 
@@ -78,7 +85,7 @@ class KubeClient:
         """(status, decoded JSON or None); raises KubeError when there is no answer."""
         try:
             async with self._open().request(
-                    method, self.base_url + path, params=params,
+                    method, self.base_url + path, params=params, ssl=self._context(),
                     data=None if body is None else json.dumps(body),
                     headers={"Content-Type": "application/json"} if body is not None else None,
                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
@@ -94,7 +101,7 @@ class KubeClient:
         session = self._open()
         try:
             response = await session.get(
-                self.base_url + path, params={**params, "watch": "true"},
+                self.base_url + path, params={**params, "watch": "true"}, ssl=self._context(),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
                                               sock_read=idle_timeout))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -47,6 +47,7 @@ from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
+from mvproxy.pki import SwappableContext, current_context
 from mvproxy.requestcheck import Refusal, check_request
 
 log = logging.getLogger(__name__)
@@ -799,7 +800,8 @@ def _parse_refusal(exc: httptools.HttpParserError) -> Refusal:
 class Listener:
     """Accepts TLS connections up to the limit and runs ``handler`` for each request."""
 
-    def __init__(self, *, handler: Handler, limits: Limits, ssl_context: ssl.SSLContext,
+    def __init__(self, *, handler: Handler, limits: Limits,
+                 ssl_context: ssl.SSLContext | SwappableContext,
                  resolve_identity: Callable[[bytes | None], Downstream],
                  anonymous: Downstream, on_refused: Callable[[int], None] | None = None,
                  handle_now: Callable[[Exchange], bool] | None = None):
@@ -809,6 +811,7 @@ class Listener:
         ``conn.finish`` or ``conn.continue_with`` later)."""
         self.limits = limits
         self.ssl_context = ssl_context
+        """Read at each handshake: a reloaded certificate serves new connections."""
         self.resolve_identity = resolve_identity
         self.anonymous = anonymous
         self.loop = asyncio.get_running_loop()
@@ -952,7 +955,7 @@ class Listener:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await self.loop.connect_accepted_socket(
-                lambda: DownstreamConnection(self), sock, ssl=self.ssl_context,
+                lambda: DownstreamConnection(self), sock, ssl=current_context(self.ssl_context),
                 ssl_handshake_timeout=self.limits.header_read_timeout)
         except (OSError, TimeoutError, asyncio.CancelledError, ConnectionError) as exc:
             sock.close()

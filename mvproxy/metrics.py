@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -82,6 +81,11 @@ class Metrics:
             "mvproxy_refused_requests_total",
             "Requests refused before routing (malformed, not origin-form, too large, too "
             "slow), by the status code sent.", ("code",), registry=r)
+        self.certificate_reload_errors = Counter(
+            "mvproxy_certificate_reload_errors_total",
+            "Changed certificate, key or CA files refused (unreadable, unparsable, key "
+            "mismatch, expired, not signed by its CA); the loaded material stays.",
+            ("role",), registry=r)
         self.open_connections = Gauge(
             "mvproxy_open_connections", "Downstream connections open now (including TLS "
             "handshakes in progress).", registry=r)
@@ -109,18 +113,19 @@ class Metrics:
         self.registry.register(_PeerCollector(peer_states))
 
 
-    def watch_certificates(self, files: dict[str, str]) -> None:
-        """Export ``mvproxy_certificate_expiry_timestamp_seconds{role}``.
+    def watch_certificates(self, loaded: Callable[[], Iterable[tuple[str, int, float]]]) -> None:
+        """Export ``mvproxy_certificate_expiry_timestamp_seconds{role,index}``.
 
-        Read at scrape time, so a certificate renewed on disk shows its new expiry
-        (and alerts fire before a peer or the backend starts refusing us).
+        Read at scrape time from ``loaded()`` -> (role, index of the certificate in its
+        file, not-after as Unix time) for the material in use, not what is on disk:
+        a renewed file that was refused keeps showing the expiry that will bite.
         """
-        self.registry.register(_CertificateCollector(files))
+        self.registry.register(_CertificateCollector(loaded))
 
 
 class _CertificateCollector(Collector):
-    def __init__(self, files: dict[str, str]):
-        self._files = dict(files)
+    def __init__(self, loaded: Callable[[], Iterable[tuple[str, int, float]]]):
+        self._loaded = loaded
 
     def describe(self):
         return []
@@ -128,22 +133,12 @@ class _CertificateCollector(Collector):
     def collect(self):
         family = GaugeMetricFamily(
             "mvproxy_certificate_expiry_timestamp_seconds",
-            "Unix time at which a certificate mvproxy presents expires, by role.",
-            labels=("role",))
-        for role, path in self._files.items():
-            expiry = _not_after(path)
-            if expiry is not None:
-                family.add_metric((role,), expiry)
+            "Unix time at which a certificate mvproxy presents or trusts expires, by role "
+            "and position in its file (CA bundles have several).",
+            labels=("role", "index"))
+        for role, index, expiry in self._loaded():
+            family.add_metric((role, str(index)), expiry)
         yield family
-
-
-def _not_after(path: str) -> float | None:
-    try:
-        with open(path, "rb") as handle:
-            cert = x509.load_pem_x509_certificate(handle.read())
-    except (OSError, ValueError):
-        return None
-    return cert.not_valid_after_utc.timestamp()
 
 
 class _PeerCollector(Collector):

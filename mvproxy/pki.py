@@ -7,6 +7,7 @@ This module owns:
   with private keys that are never world-readable;
 * ``server_context`` / ``client_context`` — every ``ssl.SSLContext`` mvproxy uses, so TLS
   policy (TLS 1.2 minimum, verification, ALPN) lives in one place;
+* ``SwappableContext`` — an SSL context a certificate reload may replace (``certreload``);
 * ``check_certificate`` — problems with certificate files described in words, for
   ``check-config`` and startup;
 * ``subject_identity`` — the (CN, O...) of a peer's certificate.
@@ -42,6 +43,8 @@ __all__ = [
     "init_pki",
     "server_context",
     "client_context",
+    "SwappableContext",
+    "current_context",
     "check_certificate",
     "subject_identity",
 ]
@@ -531,6 +534,27 @@ def client_context(
     if cert_file is not None:
         _load_cert_chain(ctx, cert_file, key_file)
     return ctx
+
+
+class SwappableContext:
+    """An SSL context that a certificate reload replaces as a whole.
+
+    Whoever opens a connection reads ``context`` once, at the handshake: connections
+    made with the old object keep it (and finish), new ones get the new material. A
+    whole new object, rather than ``load_cert_chain`` into the live one, because a CA
+    can only be added to a context, never removed, and a load that fails half-way
+    would leave a certificate without its key.
+    """
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+
+
+def current_context(source: ssl.SSLContext | SwappableContext) -> ssl.SSLContext:
+    """The context a new connection should use now."""
+    return source.context if isinstance(source, SwappableContext) else source
 
 
 # --------------------------------------------------------------------------- inspection

@@ -47,6 +47,7 @@ from mvproxy.errors import (
     UpstreamUnresolved,
 )
 from mvproxy.flow import FlowControl
+from mvproxy.pki import SwappableContext, current_context
 from mvproxy.requestcheck import target_problem
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class Upstream:
     """``backend`` or the peer's server ID; used in logs, errors and metrics."""
     url: str
     """Base URL, ``https://host:port`` without a trailing slash."""
-    ssl_context: ssl.SSLContext = field(compare=False, repr=False)
-    """Client context: the CA that verifies the upstream and our client certificate."""
+    ssl_context: ssl.SSLContext | SwappableContext = field(compare=False, repr=False)
+    """Client context: the CA that verifies the upstream and our client certificate.
+    Read at each new connection, so a reloaded certificate is used from then on while
+    pooled connections keep theirs."""
     is_peer: bool = False
     anonymous: Upstream | None = field(default=None, compare=False, repr=False)
     """The same server reached *without* a client certificate (the backend only): for
@@ -373,7 +376,7 @@ class Pool:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
                     lambda: UpstreamConnection(self), upstream.host, upstream.port,
-                    ssl=upstream.ssl_context, server_hostname=upstream.host,
+                    ssl=current_context(upstream.ssl_context), server_hostname=upstream.host,
                     ssl_handshake_timeout=self.connect_timeout)
         except TimeoutError as exc:
             raise UpstreamConnectError(upstream.name, "connect timed out") from exc

@@ -220,6 +220,7 @@ class Cluster:
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
                   backend_routes=None, extra_peers: int = 0, peer_routes=None,
                   listener: dict[str, object] | None = None,
+                  extra: dict[str, object] | None = None,
                   backend_groups: list[dict] | None = None,
                   peer_groups: list[dict] | None = None, **discovery: str):
     gate = asyncio.Event()
@@ -264,6 +265,7 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
         "timeouts.shutdownGracePeriod": "1s",
         **{f"timeouts.{k}": v for k, v in (timeouts or {}).items()},
         **{f"listener.{k}": v for k, v in (listener or {}).items()},
+        **(extra or {}),  # any other setting, by dotted path
     }
     # A seeded shuffle: which capable peer is tried first is the same on every run.
     daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))

@@ -52,11 +52,11 @@ def daemon_config(root: Path, backend: str, port: int, admin: int, **listener: o
 
 
 def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] = (),
-                 nofile: int | None = None, config: dict | None = None, **listener: object):
+                 nofile: int | None = None, extra: dict | None = None, **listener: object):
     """(process, port, admin port, stop); ``stop()`` ends it (SIGTERM, then SIGKILL)
-    and returns its log. ``config`` replaces top-level keys of ``daemon_config``'s."""
+    and returns its log. ``extra`` replaces top-level keys of ``daemon_config``'s."""
     port, admin = free_port(), free_port()
-    config = {**daemon_config(root, backend, port, admin, **listener), **(config or {})}
+    config = {**daemon_config(root, backend, port, admin, **listener), **(extra or {})}
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed by stop()
     limit: Callable[[], None] | None = None

@@ -605,3 +605,19 @@ async def test_a_lease_cannot_make_the_daemon_trust_a_server_that_is_not_a_peer(
         server.close()
         await server.wait_closed()
     assert served == []
+
+
+async def test_the_lease_client_follows_a_rotated_backend_certificate(sim, tmp_path):
+    from mvproxy.pki import SwappableContext
+
+    init_pki(tmp_path / "other", ["x"])
+    other = tmp_path / "other"
+    swappable = SwappableContext(client_context(other / "ca.crt"))  # trusts the wrong CA
+    client = KubeClient(sim.url, swappable, "apiserver-a", timeout=5.0)
+    try:
+        with pytest.raises(leasemembership.KubeError):
+            await client.request("GET", LEASES)
+        swappable.context = _front_proxy(sim)  # what a certificate reload does
+        assert (await client.request("GET", LEASES))[0] == 200
+    finally:
+        await client.close()

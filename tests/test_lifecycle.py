@@ -88,7 +88,7 @@ def _flat(doc: dict, prefix: str = "") -> dict:
 
 async def test_sighup_reloads_peers_and_reports_what_needs_a_restart(root, tmp_path,  # noqa: F811
                                                                      backend):  # noqa: F811
-    proc, port, admin, stop = start_daemon(root, tmp_path, backend, config={
+    proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "peer": _peer_tls(root), "peers": _static("b")})
     ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
@@ -130,7 +130,7 @@ async def _contains(tmp: Path, text: str) -> bool:
 async def test_sigterm_fails_readyz_then_serves_for_the_shutdown_delay(root, tmp_path,  # noqa: F811
                                                                        backend):  # noqa: F811
     """A long delay, ended by a second signal: nothing here depends on how long it is."""
-    proc, port, admin, stop = start_daemon(root, tmp_path, backend, config={
+    proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "timeouts": {"shutdownGracePeriod": "2s", "shutdownDelay": "10m"}})
     ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
