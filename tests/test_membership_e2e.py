@@ -8,16 +8,23 @@ server as a peer. Every wait is bounded; no assertion depends on how fast it hap
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import time
 
 import pytest
+from cryptography import x509
+from pki_support import issue
 
 from mvproxy.config import load_config
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 from tests.e2e_support import (
     AGGREGATED_V2,
+    HTTP_TIMEOUT,
     aggregated_group_versions,
     request,
+    tls_context,
     wait_until,
 )
 
@@ -96,3 +103,41 @@ def test_members_join_and_leave_through_leases(cluster):
     assert lease_status(cluster) == 200  # expiry, not deletion, removed it
     state = cluster.debug_state(OLD)
     assert NEW not in (state.get("peers") or {}), state
+
+
+def _served_serial(cluster: DemoCluster, sid: str) -> int:
+    """Serial number of the certificate a new connection to ``sid``'s mvproxy gets."""
+    ctx = tls_context(cluster)
+    port = cluster.server(sid).proxy_port
+    with socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+
+
+def test_a_rotated_certificate_and_sigterm_during_a_watch(cluster):
+    """In the lease demo: a replaced serving certificate is served to new connections
+    without a restart; SIGTERM during a running watch exits 0 and ends the watch with a
+    clean end of stream (no truncated chunk), so the client simply watches again."""
+    before = _served_serial(cluster, OLD)
+    rotated = issue(cluster.pki, f"{OLD}/mvproxy")
+    wait_until(lambda: _served_serial(cluster, OLD) == rotated.serial_number,
+               "the rotated serving certificate on a new connection", CHANGE_TIMEOUT)
+    assert rotated.serial_number != before
+
+    server = cluster.server(OLD)
+    conn = http.client.HTTPSConnection("127.0.0.1", server.proxy_port,
+                                       context=tls_context(cluster), timeout=HTTP_TIMEOUT)
+    try:
+        conn.request("GET", "/api/v1/namespaces/default/configmaps?watch=true")
+        watch = conn.getresponse()
+        assert watch.status == 200
+        made = request(cluster, "apiserver-1", "POST", "/api/v1/namespaces/default/configmaps",
+                       body={"apiVersion": "v1", "kind": "ConfigMap",
+                             "metadata": {"name": "watched-through-sigterm"}})
+        assert made.status == 201, made
+        event = json.loads(watch.readline())
+        assert event["object"]["metadata"]["name"] == "watched-through-sigterm"
+        assert server.proxy.stop() == 0
+        assert watch.read() == b""  # the last chunk arrived: http.client saw a clean end
+    finally:
+        conn.close()
