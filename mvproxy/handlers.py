@@ -72,6 +72,7 @@ class Proxy:
         if downstream.kind == REFUSED or exchange.upgrade:
             return False
         info, long_running = request_info(exchange.method, exchange.path, exchange.query)
+        exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
                                   rng=self.rng)
@@ -205,6 +206,7 @@ class Proxy:
             reply(exchange, status_reply(401, downstream.reason))
             return
         info, long_running = request_info(exchange.method, exchange.path, exchange.query)
+        exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
                                   rng=self.rng)

@@ -123,6 +123,7 @@ class Exchange:
         "chunked_out",
         "conn",
         "line_ended",
+        "watch",
         "raw",
         "raw_method",
         "raw_target",
@@ -173,6 +174,8 @@ class Exchange:
         self.chunked_out = False
         self.line_ended = True
         """Whether the body so far ends a line: a JSON watch is between events."""
+        self.watch = False
+        """Set by the handler for a watch: shutdown may end it cleanly between events."""
         self._head_pending = b""
         self._close_after = upgrade
         """Set for upgrade requests: unless the connection is taken over, the bytes
@@ -744,11 +747,12 @@ class DownstreamConnection(FlowControl):
             self._active.cancel_hook()
 
     def end_for_shutdown(self) -> None:
-        """Shutdown ends this request: a chunked stream between lines (a JSON watch
-        between events) gets its last chunk, so the client sees the watch end as
-        kube-apiserver ends it and simply watches again; anything else is cut."""
+        """Shutdown ends this request: a chunked watch between two JSON events gets its
+        last chunk, so the client sees the watch end as kube-apiserver ends it and
+        simply watches again; anything else (a LIST, a log, a protobuf watch cut
+        mid-frame) is cut, so no client takes a truncated body for a whole one."""
         active = self._active
-        if (active is not None and active.started and not active.finished
+        if (active is not None and active.watch and active.started and not active.finished
                 and active.chunked_out and active.line_ended):
             active.write(b"", end=True)
         self.cancel()

@@ -303,3 +303,39 @@ async def test_a_dead_backend_writes_one_warning_not_one_per_request(aiohttp_ser
                 assert status == 503
     lines = [r for r in caplog.records if r.getMessage() == "backend discovery request failed"]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_shutdown_cuts_a_stream_that_is_not_a_watch(aiohttp_server, root):
+    """A log (or LIST) stream between two lines is not whole: shutdown cuts it, so the
+    client cannot take the truncated body for a complete one."""
+    async def log_stream(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"line 1\n")
+        await asyncio.sleep(WAIT)
+        return response
+
+    def routes(app):
+        app.router.add_get("/api/v1/namespaces/ns/pods/p/log", log_stream)
+
+    got: list[object] = []
+    opened = asyncio.Event()
+
+    async def read_log(c: Cluster) -> None:
+        async with c.sessions["admin"].get(c.base + "/api/v1/namespaces/ns/pods/p/log") as resp:
+            got.append(await resp.content.readline())
+            opened.set()
+            try:
+                got.append(await resp.content.read())
+            except aiohttp.ClientPayloadError as exc:
+                got.append(exc)
+
+    async with asyncio.timeout(WAIT):
+        async with cluster(aiohttp_server, root, backend_routes=routes,
+                           timeouts={"shutdownGracePeriod": "0s"}) as c:
+            c.gate.set()
+            await c.until(lambda: synced(c), "the first complete sync")
+            task = asyncio.create_task(read_log(c))
+            await opened.wait()
+        await task
+    assert got[0] == b"line 1\n" and isinstance(got[1], aiohttp.ClientPayloadError), got
