@@ -78,6 +78,11 @@ class Daemon:
     """DNS membership (``peers.dns``): run beside the poller."""
 
 
+NAMED_SOURCES = frozenset(("lease", "dns"))
+"""Membership sources whose peers must carry their server ID in their serving
+certificate: anyone allowed to write a Lease (or a DNS record) chose their address."""
+
+
 def _peer_upstreams(membership: Membership, peer_ssl: pki.SwappableContext | None):
     """A function giving the current peers as Upstreams, rebuilt only when they change."""
     cached: dict[tuple[Peer, ...], Mapping[str, Upstream]] = {}
@@ -86,8 +91,9 @@ def _peer_upstreams(membership: Membership, peer_ssl: pki.SwappableContext | Non
         peers = membership.peers()
         if peers not in cached:
             cached.clear()
-            cached[peers] = {p.server_id: Upstream(p.server_id, p.url.rstrip("/"), peer_ssl,
-                                                   is_peer=True) for p in peers}
+            cached[peers] = {p.server_id: Upstream(
+                p.server_id, p.url.rstrip("/"), peer_ssl, is_peer=True,
+                must_name_itself=p.source in NAMED_SOURCES) for p in peers}
         return cached[peers]
     return current
 

@@ -27,7 +27,7 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.logs import kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
-from mvproxy.pki import SwappableContext, current_context
+from mvproxy.pki import SwappableContext, current_context, peer_serving_problem
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class DNSMembership:
                 _, writer = await asyncio.open_connection(
                     address, self.port, ssl=current_context(self._ssl), server_hostname=address)
                 cert = writer.get_extra_info("peercert") or {}
+                ssl_object = writer.get_extra_info("ssl_object")
+                der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             self._reject(address, "unverified" if isinstance(exc, ssl.SSLError) else "unreachable",
                          type(exc).__name__)
@@ -128,6 +130,10 @@ class DNSMembership:
         finally:
             if writer is not None:
                 writer.transport.abort()
+        problem = peer_serving_problem(der, "", must_name=False) if der else "no certificate"
+        if problem:  # e.g. a kubelet's certificate: the cluster CA signs those too
+            self._reject(address, "not_a_peer", problem)
+            return None
         server_id = server_id_from_cert(cert, self.name)
         if server_id is None:
             self._reject(address, "no_server_id", "its certificate has no single server-ID "

@@ -680,6 +680,37 @@ def subject_identity(der_cert: bytes) -> tuple[str, tuple[str, ...]]:
     return cn, orgs
 
 
+NODE_GROUP = "system:nodes"
+
+
+def peer_serving_problem(der_cert: bytes, server_id: str, *, must_name: bool) -> str | None:
+    """Why a serving certificate that ``peer.caFile`` verified is still no peer's, or None.
+
+    The cluster CA also signs kubelets' serving certificates (``system:nodes``), which
+    are never an mvproxy's. A peer found through a Lease or DNS must also be named in
+    its own certificate (a DNS SAN equal to its server ID, as ``certs init`` writes):
+    otherwise whoever may write a Lease could point a peer ID at any server the CA
+    vouches for, and user requests (bearer tokens included) would go there.
+    """
+    try:
+        cert = _load_der(der_cert)
+    except PKIError:
+        return "its serving certificate cannot be parsed"
+    orgs = {str(a.value) for a in cert.subject.get_attributes_for_oid(
+        NameOID.ORGANIZATION_NAME)}
+    if NODE_GROUP in orgs:
+        return "its serving certificate is a kubelet's (O=system:nodes), not a peer's"
+    if must_name:
+        try:
+            names = cert.extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        except x509.ExtensionNotFound:
+            names = []
+        if server_id not in names:
+            return f"its serving certificate does not name {server_id!r} (DNS SAN)"
+    return None
+
+
 def common_names(der_cert: bytes) -> tuple[str, ...]:
     """Every CN of the subject, in order (more than one is ambiguous: OpenSSL-based tools
     read the first, Go the last)."""

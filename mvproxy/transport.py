@@ -47,7 +47,7 @@ from mvproxy.errors import (
     UpstreamUnresolved,
 )
 from mvproxy.flow import FlowControl
-from mvproxy.pki import SwappableContext, current_context
+from mvproxy.pki import SwappableContext, current_context, peer_serving_problem
 from mvproxy.requestcheck import target_problem
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,9 @@ class Upstream:
     fails authentication outright (401) instead of treating the request as anonymous."""
     presents_certificate: bool = True
     """False for the ``anonymous`` twin (it also keeps the two pools apart)."""
+    must_name_itself: bool = False
+    """A peer found through a Lease or DNS: its serving certificate must carry its
+    server ID (``pki.peer_serving_problem``); checked once per new connection."""
 
     def for_headers(self, headers: Mapping[str, str]) -> Upstream:
         """The connection flavour for a request with these upstream headers."""
@@ -384,6 +387,15 @@ class Pool:
             raise UpstreamUnresolved(upstream.name, f"cannot resolve: {exc}") from exc
         except (OSError, ssl.SSLError) as exc:
             raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
+        if upstream.is_peer:
+            ssl_object = conn.transport.get_extra_info("ssl_object")
+            der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
+            problem = (peer_serving_problem(der, upstream.name,
+                                            must_name=upstream.must_name_itself)
+                       if der else "it presented no certificate")
+            if problem:
+                conn.abort()
+                raise UpstreamConnectError(upstream.name, f"not a peer: {problem}")
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:

@@ -16,7 +16,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 def issue(tree: Path, stem: str, *, ca: str = "ca", days: float = 30, key_of: str | None = None,
           cn: str = "mvproxy", usage=ExtendedKeyUsageOID.SERVER_AUTH,
-          orgs: tuple[str, ...] = ()) -> x509.Certificate:
+          orgs: tuple[str, ...] = (), dns: tuple[str, ...] = ("localhost",)) -> x509.Certificate:
     """A new ``<stem>.crt``/``.key`` signed by ``tree/<ca>``, written by rename (as a
     careful operator or cert-manager would). ``days`` < 0: already expired.
     ``key_of``: write no key, sign the public key of that other stem's key instead
@@ -36,7 +36,8 @@ def issue(tree: Path, stem: str, *, ca: str = "ca", days: float = 30, key_of: st
             .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                [*map(x509.DNSName, dns), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
             .sign(ca_key, hashes.SHA256()))
     replace(tree / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM))
     if not key_of:

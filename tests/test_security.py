@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import re
+import shutil
 import socket
 import ssl
 from datetime import datetime, timedelta, timezone
@@ -21,6 +23,7 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from daemon_support import (  # root: the module's PKI fixture
@@ -28,10 +31,12 @@ from daemon_support import (  # root: the module's PKI fixture
     Cluster,
     body_of,
     cluster,
+    fake_server,
     ready,
     root,  # noqa: F401
     status_of,
 )
+from pki_support import issue
 
 from mvproxy import pki
 from mvproxy.errors import UpstreamProtocolError
@@ -571,3 +576,59 @@ async def test_a_204_is_relayed_without_content_length(aiohttp_server, root):
                                      method="DELETE"))
         head = answer.partition(b"\r\n\r\n")[0].lower()
         assert status_of(answer) == 204 and b"content-length" not in head, answer
+
+
+# --------------------------------------------------------------------------- dynamic peers
+
+
+def _kubelet_serving(tree: Path) -> tuple[Path, Path]:
+    """A kubelet-style serving certificate from the cluster CA (the CSR API issues
+    these): CN system:node:worker-1, O system:nodes, SANs worker-1 and 127.0.0.1."""
+    issue(tree, "kubelet", cn="system:node:worker-1", orgs=("system:nodes",),
+          dns=("worker-1",))
+    return tree / "kubelet.crt", tree / "kubelet.key"
+
+
+async def test_a_bearer_token_never_reaches_a_dns_address_that_is_not_a_peer(
+        aiohttp_server, root, tmp_path):
+    """Attacker review (issue 11): DNS (or a Lease) pointing at a server the cluster CA
+    vouches for — here a kubelet's serving certificate — must not become a peer, so no
+    user request (bearer token included) is ever sent there."""
+    tree = tmp_path / "pki"
+    shutil.copytree(root, tree)
+    crt, key = _kubelet_serving(tree)
+    seen: list = []
+    impostor = await aiohttp_server(fake_server("impostor", "1.36", seen=seen),
+                                    ssl=pki.server_context(crt, key))
+    dns = {"peers.static": [],
+           "peers.dns": {"name": "localhost", "port": impostor.port, "interval": "200ms"}}
+    async with cluster(aiohttp_server, root, extra=dns) as c:
+        c.gate.set()
+        await c.until(lambda: _rejected(c, "dns", "not_a_peer"), "the impostor's rejection")
+        status, _, body = await c.get(PODGROUPS, who="bearer",
+                                      headers={"Authorization": "Bearer SECRET-TOKEN"})
+        assert "worker-1" not in (await c.debug()).get("peers", {})
+    assert status == 200 and json.loads(body)["server"] == "backend", body  # not the impostor
+    assert seen == [], seen
+
+
+async def _rejected(c, source: str, reason: str) -> bool:
+    return bool(await c.metric("mvproxy_membership_rejected_total", source=source,
+                               reason=reason))
+
+
+@pytest.mark.parametrize(("cn", "orgs", "dns", "must_name", "problem"), [
+    ("mvproxy", (), ("apiserver-b",), True, None),
+    ("mvproxy", (), ("localhost",), True, "does not name 'apiserver-b'"),
+    ("mvproxy", (), ("localhost",), False, None),
+    ("system:node:apiserver-b", ("system:nodes",), ("apiserver-b",), True, "kubelet"),
+    ("system:node:apiserver-b", ("system:nodes",), ("apiserver-b",), False, "kubelet"),
+], ids=["names itself", "names another", "static: name not required",
+        "kubelet named like the peer", "kubelet as a static peer"])
+def test_peer_serving_certificates(tmp_path, root, cn, orgs, dns, must_name, problem):
+    tree = tmp_path / "pki"
+    shutil.copytree(root, tree)
+    cert = issue(tree, "leaf", cn=cn, orgs=orgs, dns=dns)
+    found = pki.peer_serving_problem(cert.public_bytes(Encoding.DER), "apiserver-b",
+                                     must_name=must_name)
+    assert (found is None) if problem is None else (problem in (found or "")), found
