@@ -44,9 +44,13 @@ class StaticMembership:
 
 
 class CombinedMembership:
-    """Several sources as one: the first source naming a server ID or URL wins (static
-    first). This server's own ID is never a peer; neither are its own URLs (advertised,
-    backend) when a dynamic source names them (a static peer is the operator's word)."""
+    """Several sources as one: the first source naming a server ID wins (static first),
+    and a URL the operator listed is not taken again by a dynamic source. Dynamic
+    sources may share a URL: which ID is true there is decided per connection by the
+    serving certificate (``pki.peer_serving_problem``), never by who sorted first, so a
+    Lease cannot push a real peer out by claiming its URL. This server's own ID is never
+    a peer; neither are its own URLs (advertised, backend) when a dynamic source names
+    them (a static peer is the operator's word)."""
 
     def __init__(self, static: Membership, dynamic: Iterable[Membership], *, own_id: str,
                  own_urls: Iterable[str] = ()):
@@ -72,7 +76,8 @@ class CombinedMembership:
                         or url in urls or (index and url in self._own_urls):
                     continue
                 chosen[peer.server_id] = peer
-                urls.add(url)
+                if not index:
+                    urls.add(url)
         return tuple(sorted(chosen.values(), key=lambda p: p.server_id))
 
 

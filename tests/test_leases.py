@@ -142,6 +142,12 @@ def test_combined_membership_never_names_this_server():
                                   own_urls=["https://10.0.0.1:6443/", "https://10.0.0.1:8443"])
     assert combined.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),
                                 Peer("apiserver-c", "https://10.0.0.3:6443"))
+    # Dynamic sources may share a URL: the serving certificate decides per connection
+    # which ID is true there, so a Lease cannot push a real peer out by claiming its URL.
+    first = StaticMembership([Peer("aaa", "https://10.0.0.7:6443")])
+    second = StaticMembership([Peer("node-b", "https://10.0.0.7:6443")])
+    assert [p.server_id for p in CombinedMembership(
+        StaticMembership([]), [first, second], own_id="apiserver-a").peers()] == ["aaa", "node-b"]
     # A static peer is the operator's word, even at a URL of ours (tests do that).
     operator = StaticMembership([Peer("apiserver-b", "https://10.0.0.1:8443")])
     assert CombinedMembership(operator, [], own_id="apiserver-a",
