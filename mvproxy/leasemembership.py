@@ -10,8 +10,9 @@
   an error re-lists after a backoff doubling to ``_MAX_RETRY``.
 
 ``peers()`` answers from memory: the parsed Leases whose expiry has not passed, so a
-killed peer drops out when its Lease expires even if nobody deletes it. A Lease that
-does not parse is logged once (per name and reason), counted, and ignored.
+killed peer drops out when its Lease expires even if nobody deletes it; a renewTime is
+believed only up to when we first saw it (``mvproxy.leases``), across re-lists too. A
+Lease that does not parse is logged once (per name and reason), counted, and ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mvproxy.kubeclient import KubeClient, KubeError
@@ -219,8 +221,9 @@ class LeaseMembership:
         if not isinstance(items, list) or not isinstance(rv, str):
             raise KubeError(status, "malformed", "Lease list without items or resourceVersion")
         fresh: dict[str, LeasePeer] = {}
+        known = self._leases[selector]  # first sightings survive a re-list
         for item in items:
-            self._take(fresh, item)
+            self._take(fresh, item, known)
         self._leases[selector] = fresh
         self._changed()
         self._listed.add(selector)
@@ -265,13 +268,19 @@ class LeaseMembership:
                 raise KubeError(200, "malformed", "unknown watch event type")
         return rv, seen
 
-    def _take(self, store: dict[str, LeasePeer], obj: object) -> None:
+    def _take(self, store: dict[str, LeasePeer], obj: object,
+              known: dict[str, LeasePeer] | None = None) -> None:
+        """Parse ``obj`` into ``store``; ``known`` (default: ``store``) holds what was
+        seen before, whose first sighting of the same renewTime is kept."""
         name = ((obj.get("metadata") or {}) if isinstance(obj, dict) else {}).get("name")
         if not isinstance(name, str):
             self._reject("?", LeaseRejected("malformed", "Lease without a name"))
             return
         try:
-            peer = parse_lease(obj)
+            peer = parse_lease(obj, observed=self._clock())
+            seen = (store if known is None else known).get(name)
+            if seen is not None and seen.renewed == peer.renewed:
+                peer = replace(peer, observed=min(seen.observed, peer.observed))
         except LeaseRejected as exc:
             if store.pop(name, None) is not None:
                 self._changed()

@@ -75,6 +75,14 @@ def test_an_identity_lease_is_named_by_its_name_and_address():
     assert parse_lease(identity_lease(address="[fd00::9]:6443")).url == "https://[fd00::9]:6443"
 
 
+def test_a_renewal_claimed_in_the_future_counts_from_when_it_was_seen():
+    """One create with renewTime 9999-12-31 must not make a permanent peer."""
+    forever = _with(mvproxy_lease(), "spec.renewTime", "9999-12-31T23:59:59.000000Z")
+    assert parse_lease(forever, observed=NOW).expires == NOW + 30
+    # A renewal already in the past when seen counts from its renewTime, as before.
+    assert parse_lease(mvproxy_lease(renew=NOW - 20), observed=NOW).expires == NOW + 10
+
+
 def test_times_round_trip_with_microseconds():
     assert parse_time(format_time(NOW + 0.25)) == NOW + 0.25
     assert parse_time("2026-12-01T10:00:00Z") == parse_time("2026-12-01T10:00:00.000000Z")
@@ -274,6 +282,23 @@ async def test_a_killed_members_lease_expires_without_a_deletion(sim, clean):
         b_task.cancel()
         await asyncio.gather(b_task, return_exceptions=True)
         await b.client.close()
+
+
+async def test_a_lease_renewed_in_the_far_future_still_expires(sim, clean):
+    """A Lease created once with renewTime 9999-12-31 lasts one leaseDuration from when
+    this mvproxy saw it, and a re-list (same renewTime seen again) does not extend it."""
+    forever = mvproxy_lease("forever", "https://127.0.0.1:7009", duration=30)
+    forever["spec"]["renewTime"] = "9999-12-31T23:59:59.000000Z"
+    forever["metadata"].pop("resourceVersion", None)
+    assert admin(sim, "POST", LEASES, forever)[0] == 201
+    offset = [0.0]
+    a = member(sim, "apiserver-a", 7001, clock=lambda: time.time() + offset[0])
+    async with running(a):
+        await until(lambda: a.peers(), "a to see the Lease")
+        offset[0] = 31.0
+        assert a.peers() == ()
+        await a._list("app.kubernetes.io/name=mvproxy")  # seen again: still the old sighting
+        assert a.peers() == ()
 
 
 async def test_hostile_leases_are_logged_once_counted_and_ignored(sim, clean, caplog):
