@@ -116,7 +116,9 @@ def own_lease(server_id: str, namespace: str, url: str, duration: float, now: fl
                             "renewTime": format_time(now)}
     if previous is not None:
         metadata["resourceVersion"] = (previous.get("metadata") or {}).get("resourceVersion")
-        spec["acquireTime"] = (previous.get("spec") or {}).get("acquireTime") or format_time(now)
+        acquired = (previous.get("spec") or {}).get("acquireTime")
+        spec["acquireTime"] = (acquired if isinstance(acquired, str) and acquired
+                               else format_time(now))
     else:
         spec["acquireTime"] = format_time(now)
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
