@@ -10,8 +10,12 @@
   an error re-lists after a backoff doubling to ``_MAX_RETRY``.
 
 ``peers()`` answers from memory: the parsed Leases whose expiry has not passed, so a
-killed peer drops out when its Lease expires even if nobody deletes it. A Lease that
-does not parse is logged once (per name and reason), counted, and ignored.
+killed peer drops out when its Lease expires even if nobody deletes it; a renewTime is
+believed only up to when we first saw it (``mvproxy.leases``), across re-lists too. A
+Lease that does not parse (a malformed object included) is logged once (per name and
+reason), counted, and ignored. Any other failure in a loop (a backend answer of an
+unexpected shape, a bug) is logged (throttled), counted, and retried after the backoff:
+the loops end only when cancelled.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import contextlib
 import logging
 import random
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mvproxy.kubeclient import KubeClient, KubeError
@@ -34,7 +40,7 @@ from mvproxy.leases import (
     own_lease,
     parse_lease,
 )
-from mvproxy.logs import Throttle, kv
+from mvproxy.logs import Throttle, kv, throttled
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
 
@@ -153,7 +159,7 @@ class LeaseMembership:
                 self._recovered("renew")
                 retry = _MIN_RETRY
                 await asyncio.sleep(self.renew_period)
-            except KubeError as exc:
+            except Exception as exc:  # noqa: BLE001 - renewal must outlive any one failure
                 self._failed("renew", exc)
                 await asyncio.sleep(min(retry, self.renew_period))
                 retry = min(retry * 2, _MAX_RETRY)
@@ -167,19 +173,20 @@ class LeaseMembership:
                                  self._clock())
                 status, created = await self.client.request("POST", self._path, body=body)
                 _expect(status, created, 201, "create")
-                self._own = created
+                self._own = _lease_object(status, created, "create")
                 log.info("created this mvproxy's Lease", extra=kv(lease=name,
                                                                    namespace=self.namespace))
                 return
             _expect(status, current, 200, "get")
-            self._own = current
+            self._own = _lease_object(status, current, "get")
         body = own_lease(self.server_id, self.namespace, self.url, self.duration,
                          self._clock(), previous=self._own)
         status, updated = await self.client.request("PUT", f"{self._path}/{name}", body=body)
         if status in (404, 409):
             self._own = None  # deleted or changed by someone else: read it again
         _expect(status, updated, 200, "update")
-        self._own = updated
+        self._own = None  # an answer that is not a Lease: read it again next time
+        self._own = _lease_object(status, updated, "update")
 
     # ------------------------------------------------------------------ following
 
@@ -201,7 +208,7 @@ class LeaseMembership:
                     retry = min(retry * 2, _MAX_RETRY)
             except _Gone:
                 log.info("lease watch expired; listing again", extra=kv(selector=selector))
-            except KubeError as exc:
+            except Exception as exc:  # noqa: BLE001 - following must outlive any one failure
                 self._failed(f"list {selector}", exc)
             await self._pause(retry)
             retry = min(retry * 2, _MAX_RETRY)
@@ -214,13 +221,13 @@ class LeaseMembership:
                                                  params={"labelSelector": selector})
         _expect(status, body, 200, "list")
         items = body.get("items") if isinstance(body, dict) else None
-        rv = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get(
-            "resourceVersion")
+        rv = _field(body, "metadata", "resourceVersion")
         if not isinstance(items, list) or not isinstance(rv, str):
             raise KubeError(status, "malformed", "Lease list without items or resourceVersion")
         fresh: dict[str, LeasePeer] = {}
+        known = self._leases[selector]  # first sightings survive a re-list
         for item in items:
-            self._take(fresh, item)
+            self._take(fresh, item, known)
         self._leases[selector] = fresh
         self._changed()
         self._listed.add(selector)
@@ -251,27 +258,35 @@ class LeaseMembership:
                 raise KubeError(200, "watch_error", "watch ERROR event")
             if not isinstance(obj, dict):
                 raise KubeError(200, "malformed", "watch event without an object")
-            new_rv = (obj.get("metadata") or {}).get("resourceVersion")
+            new_rv = _field(obj, "metadata", "resourceVersion")
             if isinstance(new_rv, str) and new_rv:
                 rv = new_rv
             store = self._leases[selector]
             if kind in ("ADDED", "MODIFIED"):
                 self._take(store, obj)
             elif kind == "DELETED":
-                name = (obj.get("metadata") or {}).get("name")
-                if store.pop(name, None) is not None:
+                name = _field(obj, "metadata", "name")
+                if not isinstance(name, str):
+                    self._reject("?", LeaseRejected("malformed", "deleted Lease without a name"))
+                elif store.pop(name, None) is not None:
                     self._changed()
             elif kind != "BOOKMARK":
                 raise KubeError(200, "malformed", "unknown watch event type")
         return rv, seen
 
-    def _take(self, store: dict[str, LeasePeer], obj: object) -> None:
-        name = ((obj.get("metadata") or {}) if isinstance(obj, dict) else {}).get("name")
+    def _take(self, store: dict[str, LeasePeer], obj: object,
+              known: dict[str, LeasePeer] | None = None) -> None:
+        """Parse ``obj`` into ``store``; ``known`` (default: ``store``) holds what was
+        seen before, whose first sighting of the same renewTime is kept."""
+        name = _field(obj, "metadata", "name")
         if not isinstance(name, str):
             self._reject("?", LeaseRejected("malformed", "Lease without a name"))
             return
         try:
-            peer = parse_lease(obj)
+            peer = parse_lease(obj, observed=self._clock())
+            seen = (store if known is None else known).get(name)
+            if seen is not None and seen.renewed == peer.renewed:
+                peer = replace(peer, observed=min(seen.observed, peer.observed))
         except LeaseRejected as exc:
             if store.pop(name, None) is not None:
                 self._changed()
@@ -308,7 +323,10 @@ class LeaseMembership:
         if self._metrics is not None:
             self._metrics.membership_rejected.labels("leases", reason).inc(n)
 
-    def _failed(self, what: str, exc: KubeError) -> None:
+    def _failed(self, what: str, exc: Exception) -> None:
+        if not isinstance(exc, KubeError):
+            self._unexpected(what, exc)
+            return
         if self._metrics is not None:
             self._metrics.membership_errors.labels("leases", exc.reason).inc()
             if what.startswith("list"):  # upstream's name for a failed Lease list or watch
@@ -319,9 +337,42 @@ class LeaseMembership:
             log.warning(f"lease {what} failed; retrying{hint}",
                         extra=kv(reason=exc.reason, error=str(exc)))
 
+    def _unexpected(self, what: str, exc: Exception) -> None:
+        """Not a KubeError: an answer of a shape nobody checked, or a bug. Counted and
+        logged at most once a minute per loop, with where it happened but not its text
+        (which may quote a hostile object)."""
+        if self._metrics is not None:
+            self._metrics.membership_errors.labels("leases", "unexpected").inc()
+            if what.startswith("list"):
+                self._metrics.discovery_sync_errors.labels("lease_list").inc()
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{frames[-1].name}:{frames[-1].lineno}" if frames else "?"
+        self._failing[what] = "unexpected"
+        throttled.log(log, logging.ERROR, f"lease {what} failed unexpectedly; retrying",
+                      error=type(exc).__name__, where=where)
+
     def _recovered(self, what: str) -> None:
         if self._failing.pop(what, None) is not None:
             log.info(f"lease {what} works again")
+
+
+def _field(obj: object, *path: str) -> object:
+    """``obj[path[0]][path[1]]...``, or None where a level is not a map."""
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _lease_object(status: int, body: object, what: str) -> dict[str, Any]:
+    """Our own Lease as the backend answered it; anything else is an error (renewal
+    reads it again), never kept to build the next update from."""
+    if not isinstance(body, dict) or not isinstance(_field(body, "metadata", "resourceVersion"),
+                                                    str) \
+            or not isinstance(body.get("spec", {}), dict):
+        raise KubeError(status, "malformed", f"Lease {what}: the answer is not a Lease")
+    return body
 
 
 def _expect(status: int, body: object, wanted: int, what: str) -> None:

@@ -14,12 +14,21 @@ Anyone who can write Leases in the namespace can write such an object, so every 
 is checked and a bad Lease raises ``LeaseRejected`` with a short reason for metrics.
 A URL from a Lease only says where to connect: the peer is still verified by
 ``peer.caFile`` (TLS), so a Lease cannot make mvproxy trust a server that is not a peer.
+
+Expiry trusts ``renewTime`` only up to what this process has seen: a Lease expires
+``leaseDurationSeconds`` after the earlier of its ``renewTime`` and the moment this
+process first observed that ``renewTime``. A writer that claims a renewal in the far
+future (``9999-12-31``) gets one lease duration from when we saw it, not a permanent
+peer; a real holder renews, each renewal is a new observation, so it stays listed, and
+a peer whose clock runs ahead is still dropped ``leaseDurationSeconds`` after its last
+renewal reached us.
 """
 
 from __future__ import annotations
 
 import calendar
 import ipaddress
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -54,12 +63,21 @@ class LeaseRejected(ValueError):
 
 @dataclass(frozen=True)
 class LeasePeer:
-    """A peer named by an unexpired (at parse time) Lease."""
+    """A peer named by a Lease; ``expires`` says until when it counts."""
 
     server_id: str
     url: str
-    expires: float
-    """Wall-clock seconds (time.time()) after which the Lease no longer counts."""
+    renewed: float
+    """``spec.renewTime`` as the writer claims it (wall-clock seconds)."""
+    duration: int
+    observed: float = math.inf
+    """When this process first saw this ``renewed`` (inf: not observed, trust renewTime)."""
+
+    @property
+    def expires(self) -> float:
+        """Wall-clock seconds (time.time()) after which the Lease no longer counts: a
+        renewTime later than our first sight of it is not believed (module docstring)."""
+        return min(self.renewed, self.observed) + self.duration
 
 
 def lease_name(server_id: str) -> str:
@@ -98,15 +116,18 @@ def own_lease(server_id: str, namespace: str, url: str, duration: float, now: fl
                             "renewTime": format_time(now)}
     if previous is not None:
         metadata["resourceVersion"] = (previous.get("metadata") or {}).get("resourceVersion")
-        spec["acquireTime"] = (previous.get("spec") or {}).get("acquireTime") or format_time(now)
+        acquired = (previous.get("spec") or {}).get("acquireTime")
+        spec["acquireTime"] = (acquired if isinstance(acquired, str) and acquired
+                               else format_time(now))
     else:
         spec["acquireTime"] = format_time(now)
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
             "spec": spec}
 
 
-def parse_lease(obj: object) -> LeasePeer:
-    """The peer a Lease names, or ``LeaseRejected``. Expiry is left to the caller."""
+def parse_lease(obj: object, observed: float = math.inf) -> LeasePeer:
+    """The peer a Lease names, or ``LeaseRejected``; ``observed``: when this process
+    saw it (see the module docstring for expiry). Expiry is left to the caller."""
     if not isinstance(obj, dict):
         raise LeaseRejected("malformed", "not an object")
     meta, spec = obj.get("metadata"), obj.get("spec")
@@ -129,15 +150,17 @@ def parse_lease(obj: object) -> LeasePeer:
         url = _address_url(annotations.get(PEER_ADDRESS_ANNOTATION))
     else:
         raise LeaseRejected("not_membership", "neither an mvproxy nor an identity Lease")
-    return LeasePeer(server_id, url, _expiry(spec))  # type: ignore[arg-type]
+    duration = _duration(spec)
+    return LeasePeer(server_id, url, parse_time(spec.get("renewTime")),  # type: ignore[arg-type]
+                     duration, observed)
 
 
-def _expiry(spec: dict[str, Any]) -> float:
+def _duration(spec: dict[str, Any]) -> int:
     duration = spec.get("leaseDurationSeconds")
     if type(duration) is not int or not 1 <= duration <= MAX_DURATION_SECONDS:
         raise LeaseRejected("bad_duration", "leaseDurationSeconds must be 1.."
                                             f"{MAX_DURATION_SECONDS}, got {_short(duration)}")
-    return parse_time(spec.get("renewTime")) + duration
+    return duration
 
 
 def _check_server_id(value: object) -> None:

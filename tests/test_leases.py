@@ -75,6 +75,14 @@ def test_an_identity_lease_is_named_by_its_name_and_address():
     assert parse_lease(identity_lease(address="[fd00::9]:6443")).url == "https://[fd00::9]:6443"
 
 
+def test_a_renewal_claimed_in_the_future_counts_from_when_it_was_seen():
+    """One create with renewTime 9999-12-31 must not make a permanent peer."""
+    forever = _with(mvproxy_lease(), "spec.renewTime", "9999-12-31T23:59:59.000000Z")
+    assert parse_lease(forever, observed=NOW).expires == NOW + 30
+    # A renewal already in the past when seen counts from its renewTime, as before.
+    assert parse_lease(mvproxy_lease(renew=NOW - 20), observed=NOW).expires == NOW + 10
+
+
 def test_times_round_trip_with_microseconds():
     assert parse_time(format_time(NOW + 0.25)) == NOW + 0.25
     assert parse_time("2026-12-01T10:00:00Z") == parse_time("2026-12-01T10:00:00.000000Z")
@@ -282,6 +290,23 @@ async def test_a_killed_members_lease_expires_without_a_deletion(sim, clean):
         await b.client.close()
 
 
+async def test_a_lease_renewed_in_the_far_future_still_expires(sim, clean):
+    """A Lease created once with renewTime 9999-12-31 lasts one leaseDuration from when
+    this mvproxy saw it, and a re-list (same renewTime seen again) does not extend it."""
+    forever = mvproxy_lease("forever", "https://127.0.0.1:7009", duration=30)
+    forever["spec"]["renewTime"] = "9999-12-31T23:59:59.000000Z"
+    forever["metadata"].pop("resourceVersion", None)
+    assert admin(sim, "POST", LEASES, forever)[0] == 201
+    offset = [0.0]
+    a = member(sim, "apiserver-a", 7001, clock=lambda: time.time() + offset[0])
+    async with running(a):
+        await until(lambda: a.peers(), "a to see the Lease")
+        offset[0] = 31.0
+        assert a.peers() == ()
+        await a._list("app.kubernetes.io/name=mvproxy")  # seen again: still the old sighting
+        assert a.peers() == ()
+
+
 async def test_hostile_leases_are_logged_once_counted_and_ignored(sim, clean, caplog):
     metrics = Metrics()
     bad = [mvproxy_lease("evil-1", "http://127.0.0.1:7009", renew=time.time()),
@@ -360,7 +385,7 @@ async def tls_app(sim: SimProcess, routes):
 
     app = web.Application()
     for path, handler in routes.items():
-        app.router.add_get(path, handler)
+        app.router.add_route("*", path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     pki = sim.pki_dir / "apiserver-a"
@@ -429,6 +454,109 @@ async def test_a_410_gone_watch_lists_again(sim):
         async with running(m):
             await until(lambda: len(lists) >= 3, "lists after each 410")
             assert m.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),)
+
+
+async def test_answers_of_the_wrong_shape_never_end_membership(sim, caplog):
+    """A backend whose JSON has the wrong shapes (metadata a string, a name a list, a
+    create answered with ``[]``): each is counted or retried, membership keeps running,
+    takes the good Lease that follows, and keeps renewing its own."""
+    from aiohttp import web
+
+    lists, creates, renewals = [], [], []
+    release = asyncio.Event()
+    good = mvproxy_lease(renew=time.time(), duration=600)
+    own = {**mvproxy_lease("apiserver-a", "https://127.0.0.1:7001"),
+           "metadata": {"name": "mvproxy-apiserver-a", "resourceVersion": "7"}}
+
+    async def leases(request):
+        if request.method == "POST":
+            creates.append(1)
+            return web.json_response([] if len(creates) == 1 else own, status=201)
+        if request.query.get("watch") != "true":
+            lists.append(1)
+            if len(lists) == 1:
+                return web.json_response({"metadata": "x", "items": []})
+            return web.json_response({"metadata": {"resourceVersion": "5"}, "items": [
+                {"metadata": "x"}, "a string", {"metadata": {"name": ["a", "list"]}}]})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for event in ({"type": "ADDED", "object": {"metadata": "x"}},
+                      {"type": "MODIFIED", "object": {"metadata": {"name": {}}}},
+                      {"type": "DELETED", "object": {"metadata": "x"}},
+                      {"type": "DELETED", "object": {"metadata": {"name": ["x"]}}},
+                      {"type": "ADDED", "object": good}):
+            await response.write(json.dumps(event).encode() + b"\n")
+        await release.wait()
+        return response
+
+    async def own_lease_path(request):
+        if request.method == "PUT":
+            renewals.append(1)
+            return web.json_response(own)
+        return web.json_response({"kind": "Status", "code": 404}, status=404)
+
+    metrics = Metrics()
+    caplog.set_level(logging.WARNING, logger="mvproxy.leasemembership")
+    async with tls_app(sim, {LEASES: leases, f"{LEASES}/mvproxy-apiserver-a": own_lease_path}
+                       ) as url:
+        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
+                            url="https://127.0.0.1:7001", duration=3.0, renew_period=0.1,
+                            identity_leases=False, metrics=metrics)
+        task = asyncio.create_task(m.run())
+        try:
+            await until(lambda: m.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),)
+                        or task.done(), "the good Lease after the bad ones")
+            await until(lambda: len(renewals) >= 3 or task.done(), "renewals after a bad create")
+            assert not task.done(), task.exception()
+        finally:
+            release.set()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+    assert len(lists) >= 2 and len(creates) == 2
+    assert _sample(metrics, "malformed") >= 7  # three list items, four watch objects
+    assert metrics.membership_errors.labels("leases", "malformed")._value.get() >= 2
+    renew_errors = [getattr(r, _KV_ATTR)["error"] for r in caplog.records
+                    if r.getMessage() == "lease renew failed; retrying"]
+    assert renew_errors == ["Lease create: the answer is not a Lease"]
+
+
+async def test_an_unexpected_failure_is_logged_and_retried(sim, clean, caplog, monkeypatch):
+    """Whatever a loop did not foresee (here: one exception from parsing and one from
+    building the renewal) is logged with where it happened, counted and retried: the
+    Lease is still held and the peer still found."""
+    failures = {"parse": 1, "renew": 1}
+
+    def once(what, real):
+        def wrapper(*args, **kwargs):
+            if failures[what]:
+                failures[what] -= 1
+                raise RuntimeError("something nobody foresaw")
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(leasemembership, "parse_lease", once("parse", parse_lease))
+    monkeypatch.setattr(leasemembership, "own_lease", once("renew", own_lease))
+    monkeypatch.setattr(leasemembership, "throttled", leasemembership.Throttle(3600.0))
+    b = mvproxy_lease(renew=time.time(), duration=600)
+    b["metadata"].pop("resourceVersion", None)
+    assert admin(sim, "POST", LEASES, b)[0] == 201
+    metrics = Metrics()
+    caplog.set_level(logging.ERROR, logger="mvproxy.leasemembership")
+    a = member(sim, "apiserver-a", 7001, metrics=metrics)
+    async with running(a):
+        await until(lambda: a.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),),
+                    "the peer after the failure")
+        await until(lambda: admin(sim, "GET", f"{LEASES}/mvproxy-apiserver-a")[0] == 200,
+                    "our own Lease after the failure")
+    assert failures == {"parse": 0, "renew": 0}
+    assert metrics.membership_errors.labels("leases", "unexpected")._value.get() == 2
+    lines = {r.getMessage(): getattr(r, _KV_ATTR) for r in caplog.records}
+    assert lines["lease renew failed unexpectedly; retrying"]["error"] == "RuntimeError"
+    listed = lines["lease list app.kubernetes.io/name=mvproxy failed unexpectedly; retrying"]
+    assert listed["where"].startswith("wrapper:")  # the function that raised
+    assert "nobody foresaw" not in caplog.text  # the text of an exception is not logged
 
 
 async def test_a_backend_that_ends_every_watch_at_once_is_not_hammered(sim):
