@@ -410,10 +410,11 @@ class LeasesConfig:
     renew_period: float = _key("renewPeriod", _duration(), default=10.0)
     """Seconds between renewals of this mvproxy's own Lease (10s); also how often the
     peer list is re-checked for expired Leases."""
-    api_server_identity: bool = _key("apiServerIdentity", _boolean, default=True)
+    api_server_identity: bool = _key("apiServerIdentity", _boolean, default=False)
     """Also take kube-apiserver identity Leases (label ``apiserver.kubernetes.io/identity``)
-    that carry ``kubernetes.io/peer-advertise-address`` as peers (true), so built-in MVP
-    servers and mvproxies route to each other."""
+    that carry ``kubernetes.io/peer-advertise-address`` as peers (false), so built-in MVP
+    servers and mvproxies route to each other. Their IDs are in no certificate: only
+    ``peer.caFile`` vouches for them, so enable it only with a CA that signs peers alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -57,6 +57,11 @@ _MAX_LOGGED = 1024
 _FLOOD = Throttle(60.0)
 
 
+IDENTITY_SOURCE = "apiserver-identity"
+"""The source of peers from kube-apiserver identity Leases: their IDs (``apiserver-<hash>``)
+are in no certificate, so only ``peer.caFile`` and the kubelet rule check them."""
+
+
 class _Gone(Exception):
     """The watch's resourceVersion is too old: list again."""
 
@@ -105,16 +110,19 @@ class LeaseMembership:
 
     def _compute(self, now: float) -> tuple[tuple[Peer, ...], float]:
         chosen: dict[str, LeasePeer] = {}
+        sources: dict[str, str] = {}
         for selector in self.selectors:  # mvproxy Leases first: they win a shared ID
+            source = "lease" if selector == MVPROXY_SELECTOR else IDENTITY_SOURCE
             for lease in self._leases[selector].values():
                 if lease.expires > now and lease.server_id != self.server_id:
-                    chosen.setdefault(lease.server_id, lease)
+                    if chosen.setdefault(lease.server_id, lease) is lease:
+                        sources[lease.server_id] = source
         live = sorted(chosen.values(), key=lambda p: p.server_id)
         if len(live) > MAX_PEERS:
             self._count_rejected("too_many", len(live) - MAX_PEERS)
             live = live[:MAX_PEERS]
         next_expiry = min((p.expires for p in live), default=float("inf"))
-        return tuple(Peer(p.server_id, p.url, "lease") for p in live), next_expiry
+        return tuple(Peer(p.server_id, p.url, sources[p.server_id]) for p in live), next_expiry
 
     # ------------------------------------------------------------------ running
 

@@ -755,3 +755,21 @@ async def test_the_lease_client_follows_a_rotated_backend_certificate(sim, tmp_p
         assert (await client.request("GET", LEASES))[0] == 200
     finally:
         await client.close()
+
+
+async def test_identity_lease_peers_are_marked_and_need_no_name_in_their_certificate(
+        sim, clean):
+    """Review F1: peers from mvproxy Leases must carry their server ID in their serving
+    certificate; kube-apiserver identity Leases name IDs no certificate carries, so they
+    are their own source (opt-in, ``apiServerIdentity``) and only ``peer.caFile`` and
+    the kubelet rule check them."""
+    from mvproxy.app import NAMED_SOURCES
+
+    assert admin(sim, "POST", LEASES, identity_lease(
+        "apiserver-7f3a", "127.0.0.1:7009", renew=time.time()))[0] == 201
+    a, b = member(sim, "apiserver-a", 7001), member(sim, "apiserver-b", 7002)
+    async with running(a, b):
+        await until(lambda: len(a.peers()) == 2, "a to see b and the identity Lease")
+        sources = {p.server_id: p.source for p in a.peers()}
+    assert sources == {"apiserver-b": "lease", "apiserver-7f3a": "apiserver-identity"}
+    assert "lease" in NAMED_SOURCES and "apiserver-identity" not in NAMED_SOURCES
