@@ -217,6 +217,17 @@ def member(sim, server_id: str, port: int, *, namespace="kube-system", metrics=N
                            clock=clock)
 
 
+def watcher(sim, url: str, *, duration: float = 30.0, renew_period: float = 10.0
+            ) -> LeaseMembership:
+    """A member that only follows Leases at ``url`` (a hostile or scripted backend)."""
+    client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
+    m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
+                        url="https://127.0.0.1:7001", duration=duration,
+                        renew_period=renew_period, identity_leases=False)
+    m.hold = False
+    return m
+
+
 @contextlib.asynccontextmanager
 async def running(*members: LeaseMembership):
     tasks = [asyncio.create_task(m.run()) for m in members]
@@ -446,11 +457,7 @@ async def test_a_410_gone_watch_lists_again(sim):
         return response
 
     async with tls_app(sim, {LEASES: leases, f"{LEASES}/{{name}}": leases}) as url:
-        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
-        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
-                            url="https://127.0.0.1:7001", duration=30.0, renew_period=10.0,
-                            identity_leases=False)
-        m.hold = False
+        m = watcher(sim, url)
         async with running(m):
             await until(lambda: len(lists) >= 3, "lists after each 410")
             assert m.peers() == (Peer("apiserver-b", "https://10.0.0.2:6443"),)
@@ -572,11 +579,7 @@ async def test_a_backend_that_ends_every_watch_at_once_is_not_hammered(sim):
         return web.Response(text="")  # 200, and the stream is over
 
     async with tls_app(sim, {LEASES: leases}) as url:
-        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
-        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
-                            url="https://127.0.0.1:7001", duration=30.0, renew_period=10.0,
-                            identity_leases=False)
-        m.hold = False
+        m = watcher(sim, url)
         async with running(m):
             await until(lambda: len(watches) >= 4, "four empty watches")
     # A sleep never ends early, so these are lower bounds, not races: the pauses double.
@@ -650,11 +653,7 @@ async def test_a_silent_watch_is_abandoned_and_watched_again(sim):
         return response
 
     async with tls_app(sim, {LEASES: leases}) as url:
-        client = KubeClient(url, _front_proxy(sim), "apiserver-a", timeout=10.0)
-        m = LeaseMembership(client=client, server_id="apiserver-a", namespace="kube-system",
-                            url="https://127.0.0.1:7001", duration=3.0, renew_period=0.3,
-                            identity_leases=False)
-        m.hold = False
+        m = watcher(sim, url, duration=3.0, renew_period=0.3)
         async with running(m):
             try:
                 await until(lambda: len(watches) >= 2, "a second watch after the silence")
