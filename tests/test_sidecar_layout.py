@@ -108,6 +108,25 @@ def test_sim_publishes_like_kube_apiserver(tmp_path):
         assert store.get(ENDPOINTS)["subsets"] == [] and store.get(SLICE)["endpoints"] == []
 
 
+@pytest.mark.parametrize("subsets", [
+    "x", [5], [{"addresses": "a", "ports": 7}], [{"addresses": [{"ip": 5}, 3],
+                                                  "ports": [{"port": True}]}]],
+    ids=["string", "list of numbers", "fields of the wrong type", "items of the wrong type"])
+def test_sim_replaces_endpoints_of_any_shape(tmp_path, subsets):
+    """Anyone allowed to write Endpoints can leave them malformed; start-up and stop
+    still publish and withdraw (and keep only well-formed addresses)."""
+    with Store(tmp_path / "store.db") as store:
+        store.create(ENDPOINTS, {"apiVersion": "v1", "kind": "Endpoints", "subsets": subsets})
+        store.create(SLICE, {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                             "endpoints": subsets})
+        publish(store, "127.0.0.5", 6443)
+        assert store.get(ENDPOINTS)["subsets"][0]["addresses"] == [{"ip": "127.0.0.5"}]
+        assert store.get(SLICE)["endpoints"] == [{"addresses": ["127.0.0.5"],
+                                                  "conditions": {"ready": True}}]
+        withdraw(store, "127.0.0.5")
+        assert store.get(ENDPOINTS)["subsets"] == []
+
+
 @pytest.mark.parametrize("bad", ["node-a.example", "127.0.0.1:6443", "1" * 5000])
 def test_sim_refuses_an_advertise_address_that_is_not_an_ip(tmp_path, pki, bad):
     done = subprocess.run(
@@ -115,7 +134,8 @@ def test_sim_refuses_an_advertise_address_that_is_not_an_ip(tmp_path, pki, bad):
          "--secure-port", "1", "--store", str(tmp_path / "s.db"),
          f"--advertise-address={bad}"],
         capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--advertise-address" in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "--advertise-address" in done.stderr and "IPv4 or IPv6" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

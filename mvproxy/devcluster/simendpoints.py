@@ -35,12 +35,17 @@ def advertise_address(bind_address: str, advertise: str | None) -> str:
     return str(ip)
 
 
+def _items(value: object, key: str) -> list[dict]:
+    """``value[key]`` as a list of mappings; anything else (a client may have written
+    the object in any shape) counts as empty."""
+    items = value.get(key) if isinstance(value, dict) else None
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
 def _addresses(current: dict | None) -> list[str]:
-    if current is None:
-        return []
     found: list[str] = []
-    for subset in current.get("subsets") or []:
-        for address in subset.get("addresses") or []:
+    for subset in _items(current, "subsets"):
+        for address in _items(subset, "addresses"):
             ip = address.get("ip")
             if isinstance(ip, str) and ip not in found:
                 found.append(ip)
@@ -69,9 +74,9 @@ def _slice(addresses: list[str], port: int) -> dict:
 
 
 def _port(current: dict | None) -> int | None:
-    for subset in (current or {}).get("subsets") or []:
-        for port in subset.get("ports") or []:
-            if isinstance(port.get("port"), int):
+    for subset in _items(current, "subsets"):
+        for port in _items(subset, "ports"):
+            if type(port.get("port")) is int and 0 < port["port"] < 65536:
                 return port["port"]
     return None
 
