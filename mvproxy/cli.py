@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a `mvproxy certs init` directory")
     sim.add_argument("--secure-port", type=int, required=True, metavar="PORT")
     sim.add_argument("--bind-address", default="127.0.0.1", metavar="IP")
+    sim.add_argument("--advertise-address", metavar="IP",
+                     help="published in the default/kubernetes endpoints with "
+                          "--secure-port (default: --bind-address)")
     sim.add_argument("--store", required=True, metavar="PATH",
                      help="shared SQLite object store (created if missing)")
     sim.add_argument("--token-auth-file", metavar="FILE",

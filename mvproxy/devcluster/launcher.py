@@ -248,6 +248,7 @@ class SimProcess(ManagedProcess):
         store: StrPath,
         log_dir: StrPath,
         bind_address: str = "127.0.0.1",
+        advertise_address: str | None = None,
         token_auth_file: StrPath | None = None,
         audit_log_path: StrPath | None = None,
         extra_args: Sequence[str] = (),
@@ -263,6 +264,8 @@ class SimProcess(ManagedProcess):
             "--bind-address", bind_address,
             "--store", str(Path(store).absolute()),
         ]
+        if advertise_address is not None:
+            argv += ["--advertise-address", advertise_address]
         if token_auth_file is not None:
             argv += ["--token-auth-file", str(Path(token_auth_file).absolute())]
         if audit_log_path is not None:

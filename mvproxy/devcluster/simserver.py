@@ -23,7 +23,7 @@ from mvproxy.errors import PKIError, UsageError
 from mvproxy.logs import kv
 from mvproxy.requestinfo import RequestInfo, parse_request_info
 
-from . import apistatus, simwatch
+from . import apistatus, simendpoints, simwatch
 from .catalog import Catalog, disabled_keys, load_catalog
 from .simauth import REQUEST_INFO
 from .simdiscovery import Discovery, health, version_info
@@ -164,6 +164,11 @@ def run_sim(args: Any) -> int:
         catalog = catalog.without(disabled_keys(getattr(args, "runtime_config", "")))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        advertise = simendpoints.advertise_address(
+            args.bind_address, getattr(args, "advertise_address", None))
+    except ValueError as exc:
+        raise UsageError(f"--advertise-address: {exc}") from None
     pki = Path(args.pki)
     ctx = _tls_context(pki, args.server_id)
     authenticator, audit = _authentication(args, pki)  # opens the audit log: exit 2 if not
@@ -176,7 +181,7 @@ def run_sim(args: Any) -> int:
         address = f"{args.bind_address}:{args.secure_port}"
         app = build_app(catalog=catalog, store=store, server_id=args.server_id,
                         authenticator=authenticator, audit=audit, server_address=address)
-        asyncio.run(_serve(app, ctx, args, catalog))
+        asyncio.run(_serve(app, ctx, args, catalog, store, advertise))
     finally:
         audit.close()
         store.close()
@@ -184,7 +189,7 @@ def run_sim(args: Any) -> int:
 
 
 async def _serve(app: web.Application, ctx: ssl.SSLContext, args: Any,
-                 catalog: Catalog) -> None:
+                 catalog: Catalog, store: Store, advertise: str) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,9 +203,15 @@ async def _serve(app: web.Application, ctx: ssl.SSLContext, args: Any,
         except OSError as exc:
             raise UsageError(f"cannot listen on {args.bind_address}:{args.secure_port}: "
                              f"{exc.strerror or exc}") from None
+        # Like kube-apiserver: default/kubernetes = advertise address + own secure port.
+        simendpoints.publish(store, advertise, args.secure_port)
         log.info("serving", extra=kv(server_id=args.server_id, version=catalog.git_version,
-                                     address=f"https://{args.bind_address}:{args.secure_port}"))
-        await stop.wait()
+                                     address=f"https://{args.bind_address}:{args.secure_port}",
+                                     advertise=advertise))
+        try:
+            await stop.wait()
+        finally:
+            simendpoints.withdraw(store, advertise)
         log.info("stopping", extra=kv(server_id=args.server_id))
     finally:
         await runner.cleanup()
