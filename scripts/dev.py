@@ -6,7 +6,7 @@ Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``pyproject.toml`` changed since the last install, then runs the command there.
 Extra arguments go to ``mvproxy demo`` or to pytest. ``test`` also installs Chromium
 (Debian's ``chromium``, with apt-get when running as root) for the status page's
-browser test.
+browser test, and promtool (Debian's ``prometheus``) for the alert rules' tests.
 """
 
 from __future__ import annotations
@@ -48,33 +48,49 @@ def ensure_env() -> None:
 
 
 CHROMIUM = ("chromium", "chromium-browser")
+PROMTOOL = ("promtool",)
+
+
+def _which(names: tuple[str, ...]) -> str | None:
+    return next(filter(None, map(shutil.which, names)), None)
 
 
 def find_chromium() -> str | None:
-    return next(filter(None, map(shutil.which, CHROMIUM)), None)
+    return _which(CHROMIUM)
 
 
-def ensure_chromium() -> str | None:
-    """Chromium's path, installing Debian's package first if it is missing and this is
-    root on a system with apt-get; None (with the reason printed) if that is impossible."""
-    found = find_chromium()
+def ensure_debian_tool(names: tuple[str, ...], package: str, used_by: str) -> str | None:
+    """The path of the first of ``names`` on PATH, installing Debian's ``package`` first
+    if none is there and this is root on a system with apt-get; None (with the reason
+    printed) if that is impossible."""
+    found = _which(names)
     if found:
         return found
     if not shutil.which("apt-get") or os.geteuid() != 0:
-        print("dev.py: chromium is missing and cannot be installed here (needs apt-get "
-              "as root): the status page's browser test will be skipped", flush=True)
+        print(f"dev.py: {names[0]} is missing and cannot be installed here (needs apt-get "
+              f"as root): {used_by} will be skipped", flush=True)
         return None
-    print("dev.py: installing chromium (apt-get)", flush=True)
+    print(f"dev.py: installing {package} (apt-get)", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
         subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600,
                        stdout=subprocess.DEVNULL)
         subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                        "chromium"], check=True, env=env, timeout=1200,
+                        package], check=True, env=env, timeout=1200,
                        stdout=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as exc:
-        print(f"dev.py: installing chromium failed: {exc}", flush=True)
-    return find_chromium()
+        print(f"dev.py: installing {package} failed: {exc}", flush=True)
+    return _which(names)
+
+
+def ensure_chromium() -> str | None:
+    """Chromium, for the status page's browser test."""
+    return ensure_debian_tool(CHROMIUM, "chromium", "the status page's browser test")
+
+
+def ensure_promtool() -> str | None:
+    """promtool (Debian's ``prometheus``), which checks and unit-tests the alert rules."""
+    return ensure_debian_tool(PROMTOOL, "prometheus", "the Prometheus rule tests")
 
 
 def main(argv: list[str]) -> int:
@@ -88,6 +104,7 @@ def main(argv: list[str]) -> int:
         cmd = [str(_bin("mvproxy")), "demo", *rest]
     else:
         ensure_chromium()
+        ensure_promtool()
         os.chdir(ROOT)
         cmd = [str(_bin("python")), "-m", "pytest", *rest]
     sys.stdout.flush()
