@@ -118,16 +118,23 @@ async def _serve_through(binary, env, root, tmp_path, backend, *args):  # noqa: 
             await wait_ready(admin)
             ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
             assert await get(port, ctx) == 200
-            return await admin_get(admin, "/metrics")
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(WAIT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(WAIT)
-            if proc.returncode not in (0, -15):
-                pytest.fail(log_path.read_text(errors="replace"))
+            metrics = await admin_get(admin, "/metrics")
+        except BaseException as exc:
+            _stop(proc)
+            raise AssertionError(log_path.read_text(errors="replace")) from exc
+        _stop(proc)
+    assert proc.returncode == 0, log_path.read_text(errors="replace")
+    return metrics
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(WAIT)
 
 
 async def test_binary_runs_the_daemon_in_a_clean_environment(binary, clean_env, root,  # noqa: F811
