@@ -1,16 +1,24 @@
-# mvproxy container image: built from the wheel, run as an unprivileged user.
-# Stage 1 builds the wheel and installs it with its dependencies into a virtual
-# environment; stage 2 copies only that environment, so no compiler, pip cache or
-# source tree reaches the runtime image.
-FROM python:3.11-slim-bookworm AS build
+# mvproxy container image: the daemon's runtime only, run as an unprivileged user.
+# Stage 1 installs the locked dependencies (requirements.lock, every file checked
+# against its sha256) and the wheel of this tree into a virtual environment, then
+# prunes the simulator (scripts/prune_runtime.py); stage 2 copies only that
+# environment, so no compiler, pip cache, source tree or simulator data reaches the
+# runtime image.
+# The base is pinned by the digest of the multi-architecture index of the
+# python:3.11.14-slim-bookworm tag; the tag is kept for people, the digest decides.
+FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS build
 WORKDIR /src
+COPY requirements.lock ./
+RUN python -m venv /opt/mvproxy \
+ && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps --require-hashes -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY mvproxy ./mvproxy
+COPY scripts/prune_runtime.py ./scripts/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
- && python -m venv /opt/mvproxy \
- && /opt/mvproxy/bin/pip install --no-cache-dir /wheels/*.whl
+ && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps /wheels/*.whl \
+ && python scripts/prune_runtime.py /opt/mvproxy/lib/python3.11/site-packages
 
-FROM python:3.11-slim-bookworm
+FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 LABEL org.opencontainers.image.title="mvproxy" \
       org.opencontainers.image.description="Mixed Version Proxy sidecar for kube-apiserver"
 COPY --from=build /opt/mvproxy /opt/mvproxy

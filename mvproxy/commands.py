@@ -101,15 +101,32 @@ def event_loop_factory():
     return uvloop.new_event_loop
 
 
+def _no_simulator(exc: ModuleNotFoundError) -> MvproxyError:
+    """The container image and standalone binary ship only the daemon
+    (scripts/prune_runtime.py); say so instead of a traceback."""
+    if exc.name is None or not exc.name.startswith("mvproxy.devcluster"):
+        raise exc
+    return MvproxyError("this build of mvproxy contains only the daemon (no simulator); "
+                        "install the wheel (pip install mvproxy) for `mvproxy sim` "
+                        "and `mvproxy demo`")
+
+
 def sim(args: argparse.Namespace) -> int:
     from mvproxy import logs
-    from mvproxy.devcluster.simserver import run_sim
+
+    try:
+        from mvproxy.devcluster.simserver import run_sim
+    except ModuleNotFoundError as exc:
+        raise _no_simulator(exc) from None
 
     logs.configure(args.log_format, args.verbosity)
     return run_sim(args)
 
 
 def demo(args: argparse.Namespace) -> int:
-    from mvproxy.devcluster.demo import run_demo
+    try:
+        from mvproxy.devcluster.demo import run_demo
+    except ModuleNotFoundError as exc:
+        raise _no_simulator(exc) from None
 
     return run_demo(args)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's two commands: ``dev.py demo`` and ``dev.py test``.
+"""The README's commands: ``dev.py demo``, ``dev.py test`` and ``dev.py binary``.
 
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``$MVPROXY_VENV``), installs the project with its test extra into it when
@@ -7,6 +7,7 @@ Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 Extra arguments go to ``mvproxy demo`` or to pytest. ``test`` also installs Chromium
 (Debian's ``chromium``, with apt-get when running as root) for the status page's
 browser test, and promtool (Debian's ``prometheus``) for the alert rules' tests.
+``binary`` builds the standalone executable ``dist/mvproxy`` (see ``build_binary``).
 """
 
 from __future__ import annotations
@@ -93,12 +94,53 @@ def ensure_promtool() -> str | None:
     return ensure_debian_tool(PROMTOOL, "prometheus", "the Prometheus rule tests")
 
 
+def _run(*cmd: str | Path) -> None:
+    subprocess.run([str(c) for c in cmd], check=True, timeout=900)
+
+
+def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None = None,
+                 work: Path = ROOT / "build" / "binary") -> Path:
+    """Build the standalone executable: a shiv zipapp of the daemon and its locked
+    dependencies, for this interpreter's CPython version and platform.
+
+    Dependencies come from ``requirements.lock`` (hash-checked, the container image's
+    lock file), mvproxy from a wheel of this tree; the simulator is pruned (as in the
+    image). The shebang names this minor version (``python3.11``): the binary wheels
+    inside (uvloop, httptools, cryptography, ...) load on no other.
+    """
+    python = python or _bin("python")
+    shutil.rmtree(work, ignore_errors=True)
+    site, wheels = work / "site-packages", work / "wheels"
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    _run(*pip, "install", "--no-deps", "--require-hashes", "--target", site,
+         "-r", ROOT / "requirements.lock")
+    _run(*pip, "wheel", "--no-deps", "--wheel-dir", wheels, ROOT)
+    (wheel,) = wheels.glob("mvproxy-*.whl")
+    _run(*pip, "install", "--no-deps", "--upgrade", "--target", site, wheel)
+    _run(python, ROOT / "scripts" / "prune_runtime.py", site)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    interpreter = subprocess.run(
+        [python, "-c", "import sys; print('python%d.%d' % sys.version_info[:2])"],
+        check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    # --extend-pythonpath: `run --workers N` starts `python -m mvproxy worker`, which
+    # must find the same packages.
+    _run(python, "-m", "shiv", "--site-packages", site, "--console-script", "mvproxy",
+         "--python", f"/usr/bin/env {interpreter}", "--extend-pythonpath",
+         "--reproducible", "--compressed", "--output-file", output)
+    print(f"dev.py: built {output} ({output.stat().st_size // 1024} KiB, "
+          f"needs {interpreter} on {sys.platform}/{os.uname().machine})", flush=True)
+    return output
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test"):
-        print("usage: python3 scripts/dev.py demo|test [ARGS...]", file=sys.stderr)
+    if not argv or argv[0] not in ("demo", "test", "binary"):
+        print("usage: python3 scripts/dev.py demo|test|binary [ARGS...]", file=sys.stderr)
         return 2
     ensure_env()
     command, rest = argv[0], argv[1:]
+    if command == "binary":
+        build_binary(*(Path(arg).resolve() for arg in rest[:1]))
+        return 0
     if command == "demo":
         # The demo runs where the user is (a relative --dir means what they expect).
         cmd = [str(_bin("mvproxy")), "demo", *rest]

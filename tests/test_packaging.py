@@ -1,11 +1,13 @@
 """What a user installs: the wheel in a clean environment, and the container image.
 
-No Docker engine runs on the CI machines, so the image is checked two ways: hadolint
-lints the Dockerfile, and the wheel the Dockerfile would install is built and run in
-a fresh virtual environment with nothing else in it.
+No Docker engine runs on the CI machines, so the image is checked three ways: hadolint
+lints the Dockerfile; its pins (base image digest, hash-checked lock file) are read
+from the text; and the runtime tree it would build (the lock, the wheel, the pruning
+step) is built in a fresh virtual environment with nothing else in it, and run.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,8 @@ import venv
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import mvproxy
 
@@ -40,6 +44,59 @@ def test_dockerfile_runs_the_wheel_as_non_root_with_mvproxy_entrypoint():
     assert 'ENTRYPOINT ["mvproxy"]' in text
 
 
+def _dockerfile_lines() -> list[str]:
+    """Instructions with their continuation lines joined."""
+    return (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+
+
+def test_every_base_image_is_pinned_by_digest():
+    froms = [line.split() for line in _dockerfile_lines() if line.startswith("FROM ")]
+    assert froms
+    for words in froms:
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", words[1]), words
+
+
+def test_dependencies_install_only_from_the_hash_checked_lock():
+    runs = [line for line in _dockerfile_lines() if line.startswith("RUN ")]
+    installs = [part for run in runs for part in run.split("&&") if "pip install" in part]
+    locked = [i for i in installs if "-r requirements.lock" in i]
+    assert locked and all("--require-hashes" in i for i in locked), installs
+    # Anything else pip installs (the wheel of this tree) must not pull dependencies.
+    assert all("--no-deps" in i for i in installs), installs
+    assert any(line.startswith("COPY requirements.lock") for line in _dockerfile_lines())
+
+
+def _lock() -> dict[str, tuple[str, list[str]]]:
+    """requirements.lock as name -> (pinned version, hashes)."""
+    text = (ROOT / "requirements.lock").read_text().replace("\\\n", " ")
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        requirement = line.split(" --hash=")[0]
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==([^ ;]+)\s*(;.*)?", requirement.strip())
+        assert match, f"not an exact pin: {line!r}"
+        pins[canonicalize_name(match[1])] = (match[2], re.findall(r"--hash=sha256:(\w{64})",
+                                                                  line))
+    return pins
+
+
+def test_the_lock_pins_every_runtime_dependency_with_hashes():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lock = _lock()
+    for name, (version, hashes) in lock.items():
+        assert hashes, f"{name} has no --hash in requirements.lock"
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in lock, f"{name} (pyproject.toml) is missing from requirements.lock"
+        assert requirement.specifier.contains(lock[name][0]), (
+            f"requirements.lock pins {name}=={lock[name][0]}, pyproject.toml asks {text}")
+
+
 def _pip(python, *args):
     """Run pip quietly; show its output only when it fails."""
     result = subprocess.run([str(python), "-m", "pip", "-q", "--disable-pip-version-check",
@@ -48,14 +105,34 @@ def _pip(python, *args):
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_runs_in_a_clean_virtual_environment(tmp_path):
+def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
+    """The Dockerfile's build stage, step by step, in a fresh virtual environment."""
     wheels = tmp_path / "wheels"
     _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", str(wheels), str(ROOT))
     (wheel,) = wheels.glob("mvproxy-*.whl")
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    _pip(python, "install", str(wheel))
+    _pip(python, "install", "--no-deps", "--require-hashes", "-r",
+         str(ROOT / "requirements.lock"))
+    _pip(python, "install", "--no-deps", str(wheel))
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig;"
+                                "print(sysconfig.get_path('purelib'))"], capture_output=True,
+                               text=True, check=True, timeout=60).stdout.strip())
+    # The same command line as the Dockerfile's, with this venv's site-packages.
+    prune = [line for line in _dockerfile_lines() if "prune_runtime.py" in line
+             and line.startswith("RUN ")]
+    assert prune and "/opt/mvproxy/lib/python3.11/site-packages" in prune[0]
+    subprocess.run([str(python), str(ROOT / "scripts" / "prune_runtime.py"), str(site)],
+                   check=True, capture_output=True, timeout=60)
+    package = site / "mvproxy"
+    assert (package / "cli.py").is_file()
+    assert not (package / "devcluster").exists()
+    assert not [p for p in package.rglob("*") if p.suffix == ".json"]
+    # pip still sees a consistent install: the lock covered every dependency.
+    _pip(python, "check")
+    record = next(site.glob("mvproxy-*.dist-info")) / "RECORD"
+    assert "devcluster" not in record.read_text()
     # Run outside the repository so the working tree cannot be imported by mistake.
     version = subprocess.run([str(env_dir / "bin" / "mvproxy"), "--version"], cwd=tmp_path,
                              capture_output=True, text=True, check=True, timeout=60)
@@ -65,6 +142,16 @@ def test_wheel_installs_and_runs_in_a_clean_virtual_environment(tmp_path):
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
                            text=True, check=True, timeout=60)
     assert str(env_dir) in where.stdout
+    # Every module the daemon has imports without the simulator.
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__main__")
+    imported = subprocess.run([str(python), "-c", "import importlib,sys;"
+                               "[importlib.import_module('mvproxy.'+m) for m in sys.argv[1:]]",
+                               *modules], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+    assert imported.returncode == 0, imported.stderr
+    sim = subprocess.run([str(env_dir / "bin" / "mvproxy"), "demo"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert sim.returncode == 1 and "contains only the daemon" in sim.stderr, sim.stderr
 
 
 @pytest.mark.slow
@@ -80,3 +167,35 @@ def test_wheel_ships_the_release_catalogs():
     from mvproxy.devcluster.catalog import available_versions
     for version in available_versions():
         assert f"mvproxy/devcluster/catalogs/{version}.json" in names
+
+
+def _prune(site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "prune_runtime.py"),
+                           str(site)], capture_output=True, text=True, timeout=60)
+
+
+def test_pruning_refuses_a_directory_without_mvproxy(tmp_path):
+    """A wrong path (a typo in the Dockerfile) fails the build instead of passing."""
+    (tmp_path / "mvproxy").mkdir()
+    done = _prune(tmp_path)
+    assert done.returncode != 0
+    assert "no installed mvproxy package" in done.stderr
+
+
+def test_pruning_removes_only_the_simulator_and_its_record_lines(tmp_path):
+    package = tmp_path / "mvproxy"
+    (package / "devcluster" / "catalogs").mkdir(parents=True)
+    (package / "devcluster" / "catalogs" / "1.35.json").write_text("{}")
+    (package / "__init__.py").write_text("")
+    (package / "cli.py").write_text("")
+    info = tmp_path / "mvproxy-0.1.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("mvproxy/__init__.py,,\nmvproxy/cli.py,,\n"
+                                 "mvproxy/devcluster/catalogs/1.35.json,,\n"
+                                 "mvproxy/devclusterish.py,,\n")
+    done = _prune(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not (package / "devcluster").exists()
+    assert (package / "cli.py").is_file()
+    assert (info / "RECORD").read_text() == ("mvproxy/__init__.py,,\nmvproxy/cli.py,,\n"
+                                             "mvproxy/devclusterish.py,,\n")
