@@ -207,3 +207,18 @@ def test_jq_fields_of_the_peers_view_exist():
 def test_the_checker_catches_drift(bad, phrase):
     """Each kind of drift is reported (so a passing runbook check means something)."""
     assert any(phrase in p for p in problems(bad)), problems(bad)
+
+
+def test_every_alert_the_runbook_names_exists():
+    """Alert names in the runbook are the rules file's (config/prometheus)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    rules = yaml.safe_load((root / "config/prometheus/mvproxy-rules.yaml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    named = set(re.findall(r"`(Mvproxy[A-Za-z]+)`",
+                           (root / "docs/upgrade-runbook.md").read_text()))
+    assert named and named <= alerts, named - alerts
