@@ -1,7 +1,7 @@
 """Decode the Kubernetes protobuf request bodies that kubectl sends.
 
-``kubectl create namespace|configmap|secret|deployment|serviceaccount`` (1.3x) POST
-built-in objects as ``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
+``kubectl create namespace|configmap|secret|deployment|serviceaccount`` and ``kubectl
+auth can-i|whoami`` (1.3x) POST built-in objects as ``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
 a ``runtime.Unknown`` envelope (TypeMeta, raw message bytes). Without schemas the raw
 bytes are only numbered fields, so this module carries hand-written field maps for
 those kinds (just the fields those commands set, plus the common metadata). Fields
@@ -59,6 +59,8 @@ def fields(data: bytes) -> list[tuple[int, int | bytes]]:
             i += size
         elif wire in (1, 5):
             i += 8 if wire == 1 else 4  # fixed-width: no Kubernetes field we read uses them
+            if i > len(data):
+                raise ProtobufError("truncated field")
         else:
             raise ProtobufError(f"unsupported wire type {wire}")
     return out
@@ -66,7 +68,8 @@ def fields(data: bytes) -> list[tuple[int, int | bytes]]:
 
 # --- schemas: field number -> (json name, type) --------------------------------------
 # Types: "str", "int", "bool", "bytes" (base64 in JSON), "time", "quantity", "intorstr",
-# "map" (string→string), "mapbytes", "mapquantity", a nested schema dict, or a
+# "map" (string→string), "mapbytes", "mapquantity", "mapstrings" (string→ExtraValue,
+# a list of strings in JSON), a nested schema dict, or a
 # one-element list of any of those (repeated). A trailing "!" keeps zero values.
 
 TIME = "time"
@@ -108,7 +111,34 @@ DEPLOYMENT_SPEC = {
     5: ("minReadySeconds", "int"), 6: ("revisionHistoryLimit", "int!"), 7: ("paused", "bool"),
     9: ("progressDeadlineSeconds", "int!"),
 }
+# authorization.k8s.io/v1 and authentication.k8s.io/v1 (k8s.io/api generated.proto).
+_SELECTOR_REQUIREMENT = {1: ("key", "str"), 2: ("operator", "str"), 3: ("values", ["str"])}
+_SELECTOR_ATTRIBUTES = {1: ("rawSelector", "str"), 2: ("requirements", [_SELECTOR_REQUIREMENT])}
+RESOURCE_ATTRIBUTES = {
+    1: ("namespace", "str"), 2: ("verb", "str"), 3: ("group", "str"), 4: ("version", "str"),
+    5: ("resource", "str"), 6: ("subresource", "str"), 7: ("name", "str"),
+    8: ("fieldSelector", _SELECTOR_ATTRIBUTES), 9: ("labelSelector", _SELECTOR_ATTRIBUTES),
+}
+NON_RESOURCE_ATTRIBUTES = {1: ("path", "str"), 2: ("verb", "str")}
+SUBJECT_ACCESS_REVIEW_SPEC = {
+    1: ("resourceAttributes", RESOURCE_ATTRIBUTES),
+    2: ("nonResourceAttributes", NON_RESOURCE_ATTRIBUTES),
+    3: ("user", "str"), 4: ("groups", ["str"]), 5: ("extra", "mapstrings"), 6: ("uid", "str"),
+}
+_ACCESS_REVIEW = {1: ("metadata", OBJECT_META), 2: ("spec", SUBJECT_ACCESS_REVIEW_SPEC)}
+_REVIEW_KINDS = {
+    ("authorization.k8s.io/v1", "SubjectAccessReview"): _ACCESS_REVIEW,
+    ("authorization.k8s.io/v1", "LocalSubjectAccessReview"): _ACCESS_REVIEW,
+    # SelfSubjectAccessReviewSpec: fields 1 and 2 of SubjectAccessReviewSpec, same types.
+    ("authorization.k8s.io/v1", "SelfSubjectAccessReview"): _ACCESS_REVIEW,
+    ("authorization.k8s.io/v1", "SelfSubjectRulesReview"): {
+        1: ("metadata", OBJECT_META), 2: ("spec", {1: ("namespace", "str")})},
+    # Status (field 2) is the server's answer: a request carries only metadata.
+    **{(f"authentication.k8s.io/{v}", "SelfSubjectReview"): {1: ("metadata", OBJECT_META)}
+       for v in ("v1", "v1beta1", "v1alpha1")},
+}
 KINDS: dict[tuple[str, str], dict] = {
+    **_REVIEW_KINDS,
     ("v1", "Namespace"): {1: ("metadata", OBJECT_META),
                           2: ("spec", {1: ("finalizers", ["str"])}),
                           3: ("status", {1: ("phase", "str")})},
@@ -149,15 +179,28 @@ def _signed(value: Any) -> int:
 def _text(value: Any) -> str:
     if not isinstance(value, bytes):
         raise ProtobufError("expected a length-delimited string")
-    return value.decode("utf-8")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtobufError("a string field is not UTF-8") from None
 
 
-def _entries(raw: bytes) -> tuple[str, bytes | int]:
+def _entries(raw: Any) -> tuple[str, bytes | int]:
+    if not isinstance(raw, bytes):
+        raise ProtobufError("expected a map entry")
     parts = dict(fields(raw))
     return _text(parts.get(1, b"")), parts.get(2, b"")
 
 
+_VARINT_KINDS = frozenset(("int", "bool"))
+
+
 def _scalar(kind: str, value: Any) -> Any:
+    if not isinstance(kind, str) or kind not in _VARINT_KINDS:
+        if not isinstance(value, bytes):  # a varint where a message/string belongs
+            raise ProtobufError("expected a length-delimited field")
+    elif not isinstance(value, int):
+        raise ProtobufError("expected a varint field")
     if isinstance(kind, dict):
         return decode_message(value, kind)
     if kind == "str":
@@ -174,10 +217,13 @@ def _scalar(kind: str, value: Any) -> Any:
         return _text(dict(fields(value)).get(1, b""))
     if kind == "intorstr":
         return _int_or_string(value)
+    if kind == "strings":  # ExtraValue: repeated string items = 1
+        return [_text(v) for n, v in fields(value) if n == 1]
     raise ProtobufError(f"unknown field type {kind}")
 
 
-_MAP_VALUES = {"map": "str", "mapbytes": "bytes", "mapquantity": "quantity"}
+_MAP_VALUES = {"map": "str", "mapbytes": "bytes", "mapquantity": "quantity",
+               "mapstrings": "strings"}
 
 
 def _empty(value: Any) -> bool:
