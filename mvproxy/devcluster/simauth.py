@@ -279,20 +279,81 @@ def _path_matches(path: str, patterns: Iterable[str]) -> bool:
 
 
 def _allowed(user: UserInfo, info: RequestInfo, verb: str) -> bool:
+    return bool(allowed_by(user, info, verb))
+
+
+def _binding(kind: str, name: str, role: str, group: str) -> str:
+    """kube RBAC's reason for an allowed request."""
+    role_kind = "ClusterRole" if kind == "ClusterRoleBinding" else "Role"
+    return f'RBAC: allowed by {kind} "{name}" of {role_kind} "{role}" to Group "{group}"'
+
+
+def _self_review(info: RequestInfo, verb: str) -> bool:
+    """system:basic-user: any authenticated user may ask what it may do and who it is."""
+    return verb == "create" and not info.subresource and (
+        info.api_group, info.resource) in SELF_REVIEWS
+
+
+#: (group, resource) of the reviews system:basic-user lets every authenticated user create.
+SELF_REVIEWS = frozenset((("authorization.k8s.io", "selfsubjectaccessreviews"),
+                          ("authorization.k8s.io", "selfsubjectrulesreviews"),
+                          ("authentication.k8s.io", "selfsubjectreviews")))
+
+
+def allowed_by(user: UserInfo, info: RequestInfo, verb: str) -> str:
+    """The RBAC-style reason the sim's fixed policy allows this, or "" when it does not.
+
+    The one policy behind both real requests and the access reviews.
+    """
     groups = user.groups
     if MASTERS in groups:
-        return True
+        return _binding("ClusterRoleBinding", "cluster-admin", "cluster-admin", MASTERS)
     if info.is_resource_request:
         if MVPROXY_GROUP in groups and _mvproxy_lease_rule(info, verb):
-            return True
-        return VIEWER in groups and verb in _READ_VERBS
+            return _binding("RoleBinding", f"mvproxy/{MVPROXY_LEASE_NAMESPACE}", "mvproxy",
+                            MVPROXY_GROUP)
+        if VIEWER in groups and verb in _READ_VERBS:
+            return _binding("ClusterRoleBinding", VIEWER, "view", VIEWER)
+        if AUTHENTICATED in groups and _self_review(info, verb):
+            return _binding("ClusterRoleBinding", "system:basic-user", "system:basic-user",
+                            AUTHENTICATED)
+        return ""
     if verb != "get":
-        return False
+        return ""
     if VIEWER in groups:
-        return True
+        return _binding("ClusterRoleBinding", VIEWER, "view", VIEWER)
     if AUTHENTICATED in groups and _path_matches(info.path, DISCOVERY_PATHS):
-        return True
-    return info.path in PUBLIC_PATHS
+        return _binding("ClusterRoleBinding", "system:discovery", "system:discovery",
+                        AUTHENTICATED)
+    if info.path in PUBLIC_PATHS:
+        group = AUTHENTICATED if AUTHENTICATED in groups else UNAUTHENTICATED
+        return _binding("ClusterRoleBinding", "system:public-info-viewer",
+                        "system:public-info-viewer", group)
+    return ""
+
+
+def rules_for(user: UserInfo, namespace: str) -> tuple[list[dict], list[dict]]:
+    """(resourceRules, nonResourceRules) of the fixed policy, as SelfSubjectRulesReview."""
+    groups = user.groups
+    if MASTERS in groups:
+        return ([{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}],
+                [{"verbs": ["*"], "nonResourceURLs": ["*"]}])
+    resource: list[dict] = []
+    non_resource: list[dict] = []
+    if AUTHENTICATED in groups:
+        for group in sorted({g for g, _ in SELF_REVIEWS}):
+            resource.append({"verbs": ["create"], "apiGroups": [group],
+                             "resources": sorted(r for g, r in SELF_REVIEWS if g == group)})
+        non_resource.append({"verbs": ["get"], "nonResourceURLs": list(DISCOVERY_PATHS)})
+    else:
+        non_resource.append({"verbs": ["get"], "nonResourceURLs": sorted(PUBLIC_PATHS)})
+    if VIEWER in groups:
+        resource.append({"verbs": sorted(_READ_VERBS), "apiGroups": ["*"], "resources": ["*"]})
+        non_resource.append({"verbs": ["get"], "nonResourceURLs": ["*"]})
+    if MVPROXY_GROUP in groups and namespace == MVPROXY_LEASE_NAMESPACE:
+        resource.append({"verbs": sorted(_LEASE_VERBS), "apiGroups": ["coordination.k8s.io"],
+                         "resources": ["leases"]})
+    return resource, non_resource
 
 
 def _mvproxy_lease_rule(info: RequestInfo, verb: str) -> bool:
