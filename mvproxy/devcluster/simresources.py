@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mvproxy.requestinfo import RequestInfo
 
-from . import apistatus, patching, simwatch, tables
+from . import apistatus, patching, simreviews, simwatch, tables
 from .catalog import Catalog
 from .mediatypes import LIST_CONVERSIONS, OBJECT_CONVERSIONS, Negotiated, negotiate
 from .simobjects import (
@@ -50,6 +50,8 @@ class ResourceAPI:
             t = resolve(self.catalog, info)
             if t.sub is not None:
                 return await self._subresource(request, t)
+            if simreviews.is_review(t):  # questions to the authorizer: never stored
+                return await simreviews.create(request, t, await read_body(request))
             handler = getattr(self, "_" + t.info.verb)
             return await handler(request, t)
         except RequestError as exc:
