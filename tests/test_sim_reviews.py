@@ -14,10 +14,10 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-
 from conftest import kubectl_env
 from e2e_support import request
 from kubectl import kubectl_binary
+
 from mvproxy.devcluster import protobuf
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 
