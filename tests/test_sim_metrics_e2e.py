@@ -64,3 +64,37 @@ def test_simulator_limits_say_so_and_unknown_resources_keep_kubes_404(
     assert unknown.status == 404
     assert json.loads(unknown.body)["message"] == \
         "the server could not find the requested resource"
+
+
+@pytest.mark.parametrize("context", [OLD, f"{OLD}-direct"])
+def test_kubectl_explain_pods_shows_real_field_docs(cluster: DemoCluster, kubectl,
+                                                    context: str) -> None:
+    out = kubectl("explain", "pods.spec.containers", kubeconfig=cluster.kubeconfig,
+                  context=context).stdout
+    assert "KIND:" in out and "Pod" in out
+    assert "List of containers belonging to the pod." in out
+    assert "imagePullPolicy" in out
+
+
+def test_kubectl_explain_podgroups_through_an_old_servers_mvproxy(cluster: DemoCluster,
+                                                                   kubectl) -> None:
+    out = kubectl("explain", "podgroups.spec", kubeconfig=cluster.kubeconfig,
+                  context=OLD).stdout
+    assert "scheduling.k8s.io" in out and "PodGroup" in out
+    assert "schedulingPolicy" in out
+    # The 1.35 server alone does not serve them.
+    alone = kubectl("explain", "podgroups", kubeconfig=cluster.kubeconfig,
+                    context=f"{OLD}-direct", check=False)
+    assert alone.returncode != 0
+
+
+@pytest.mark.parametrize("context", [OLD, f"{OLD}-direct"])
+def test_kubectl_apply_validates_through_openapi_v3(cluster: DemoCluster, kubectl,
+                                                          tmp_path, context: str) -> None:
+    manifest = tmp_path / "cm.yaml"
+    manifest.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: explain-"
+                        f"{context}\n  namespace: default\ndata:\n  a: b\n")
+    kubectl("apply", "-f", str(manifest), kubeconfig=cluster.kubeconfig, context=context)
+    got = kubectl("get", "configmap", f"explain-{context}", "-n", "default", "-o",
+                  "jsonpath={.data.a}", kubeconfig=cluster.kubeconfig, context=context)
+    assert got.stdout == "b"
