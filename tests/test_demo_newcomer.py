@@ -59,10 +59,10 @@ def test_demo_help_describes_every_option_with_its_default() -> None:
     out = subprocess.run([sys.executable, "-m", "mvproxy", "demo", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     body = out.split("options:", 1)[1]
-    options = re.findall(r"^  (--[a-z-]+)", body, flags=re.M)
+    options = re.findall(r"^  (--[a-z-]+)", body, flags=re.MULTILINE)
     assert set(options) == {"--dir", "--versions", "--base-port", "--membership"}
     # Every option's help (up to the next option) states its default.
-    chunks = re.split(r"^  --", body, flags=re.M)[1:]
+    chunks = re.split(r"^  --", body, flags=re.MULTILINE)[1:]
     assert len(chunks) == 4
     for chunk in chunks:
         assert "(default:" in " ".join(chunk.split()), chunk
@@ -71,7 +71,7 @@ def test_demo_help_describes_every_option_with_its_default() -> None:
 @pytest.mark.parametrize("argv", [["nope"], []])
 def test_dev_py_rejects_unknown_commands_and_lists_kubectl(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "dev.py"), *argv],
-                          capture_output=True, text=True, timeout=60,
+                          capture_output=True, text=True, timeout=60, check=False,
                           env={**os.environ, "MVPROXY_VENV": "/nonexistent-venv"})
     assert done.returncode == 2
     assert "kubectl" in done.stderr

@@ -13,8 +13,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
-
 from e2e_support import request
+
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 
 OLD, NEW = "apiserver-0", "apiserver-1"  # 1.35, 1.36

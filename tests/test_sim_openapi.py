@@ -50,7 +50,7 @@ def test_documents_carry_kube_spelled_schemas() -> None:
     assert group["type"] == "object" and "enum" not in group["properties"]["kind"]
     # Every reference resolves inside the same document.
     text = json.dumps(doc)
-    for ref in set(part.split('"')[0] for part in text.split("#/components/schemas/")[1:]):
+    for ref in {part.split('"')[0] for part in text.split("#/components/schemas/")[1:]}:
         assert ref in schemas, ref
     # Only its own group/version's kinds are roots.
     kinds = _gvks({k: v for k, v in schemas.items() if ".scheduling." in k})

@@ -15,8 +15,14 @@ import time
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from mvproxy.requestinfo import RequestInfo
 
