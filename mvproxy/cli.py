@@ -150,12 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--log-format", choices=("text", "json"), default="text")
 
     demo = sub.add_parser("demo", help="run a mixed-version control plane on loopback")
-    demo.add_argument("--dir", default=".mvproxy-demo", metavar="DIR")
-    demo.add_argument("--versions", default="1.35,1.35,1.36")
-    demo.add_argument("--base-port", type=int, default=16443, metavar="N")
+    demo.add_argument("--dir", default=".mvproxy-demo", metavar="DIR",
+                      help="where the demo keeps its PKI, kubeconfig, store, logs and audit "
+                           "logs (store, logs and audit logs start afresh each run) "
+                           "(default: %(default)s)")
+    demo.add_argument("--versions", default="1.35,1.35,1.36", metavar="X.Y,...",
+                      help="one kube-apiserver per entry, of that release "
+                           "(1.31-1.37), each behind its own mvproxy (default: %(default)s)")
+    demo.add_argument("--base-port", type=int, default=16443, metavar="N",
+                      help="loopback ports: mvproxy i on N+i, its kube-apiserver on N+100+i, "
+                           "its admin listener on N+200+i; 0 picks free ports "
+                           "(default: %(default)s)")
     demo.add_argument("--membership", choices=("static", "leases"), default="static",
-                      help="how the mvproxies find each other: static peers (default) or "
-                           "Leases through their kube-apiservers")
+                      help="how the mvproxies find each other: static peers or "
+                           "Leases through their kube-apiservers (default: %(default)s)")
     return parser
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's commands: ``dev.py demo``, ``dev.py test`` and ``dev.py binary``.
+"""The README's commands: ``dev.py demo``, ``dev.py test``, ``dev.py binary``, ``dev.py kubectl``.
 
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``$MVPROXY_VENV``), installs the project with its test extra into it when
@@ -8,6 +8,8 @@ Extra arguments go to ``mvproxy demo`` or to pytest. ``test`` also installs Chro
 (Debian's ``chromium``, with apt-get when running as root) for the status page's
 browser test, and promtool (Debian's ``prometheus``) for the alert rules' tests.
 ``binary`` builds the standalone executable ``dist/mvproxy`` (see ``build_binary``).
+``kubectl [X.Y]`` downloads the test suite's pinned kubectl into ``.tools/`` and prints
+its path (for a machine with no kubectl).
 """
 
 from __future__ import annotations
@@ -133,15 +135,20 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "binary"):
-        print("usage: python3 scripts/dev.py demo|test|binary [ARGS...]", file=sys.stderr)
+    if not argv or argv[0] not in ("demo", "test", "binary", "kubectl"):
+        print("usage: python3 scripts/dev.py demo|test|binary|kubectl [ARGS...]",
+              file=sys.stderr)
         return 2
     ensure_env()
     command, rest = argv[0], argv[1:]
     if command == "binary":
         build_binary(*(Path(arg).resolve() for arg in rest[:1]))
         return 0
-    if command == "demo":
+    if command == "kubectl":
+        # The suite's pinned kubectl (default 1.36), downloaded once into .tools/;
+        # prints its path, which `mvproxy demo` then uses when kubectl is not on PATH.
+        cmd = [str(_bin("python")), str(ROOT / "tests" / "kubectl.py"), *rest[:1]]
+    elif command == "demo":
         # The demo runs where the user is (a relative --dir means what they expect).
         cmd = [str(_bin("mvproxy")), "demo", *rest]
     else:

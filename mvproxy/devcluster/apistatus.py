@@ -64,6 +64,19 @@ def path_not_found() -> web.Response:
     return _generic(404, "the server could not find the requested resource")
 
 
+SIM_LIMIT = "not supported by mvproxy's simulated kube-apiserver"
+
+
+def not_simulated(code: int, what: str) -> web.Response:
+    """Something a real kube-apiserver serves and the simulator does not.
+
+    Says so plainly, so nobody mistakes a simulator limit for kube's answer; genuine
+    kube 404s (unknown resources, which mvproxy's routing relies on) never use this.
+    """
+    return status_response(code, f"{what} is {SIM_LIMIT} (see the README's simulator "
+                                 "limits)", reason="NotFound" if code == 404 else None)
+
+
 def already_exists(group: str, resource: str, name: str) -> web.Response:
     return status_response(409, f'{qualified(group, resource)} "{name}" already exists',
                            details=_details(group, resource, name))

@@ -605,17 +605,47 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun if n == 1 else plural}"
 
 
-def _kubectl_hint() -> tuple[str, str | None]:
-    """(the command to print, a note if kubectl is not on PATH)."""
+#: Where a source checkout keeps the pinned kubectl binaries the test suite downloads.
+TOOLS_DIR = Path(__file__).resolve().parents[2] / ".tools"
+FETCH_KUBECTL = "python3 scripts/dev.py kubectl"
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    digits = path.name.removeprefix("kubectl-v").split(".")
+    return tuple(int(d) for d in digits if d.isdigit())
+
+
+def _kubectl_hint(tools_dir: Path = TOOLS_DIR) -> tuple[str, str | None]:
+    """(the kubectl command to print, a note saying where it came from or how to get one).
+
+    kubectl on PATH wins; else the newest pinned one in the checkout's ``.tools/``
+    (by its full path, so the commands work as pasted); else how to fetch one.
+    """
     if shutil.which("kubectl"):
         return "kubectl", None
-    return "kubectl", (f"kubectl is not on your PATH: use any kubectl >= {MIN_KUBECTL} "
-                       "(https://kubernetes.io/docs/tasks/tools/) in the commands below.")
+    pinned = sorted((p for p in tools_dir.glob("kubectl-v*")
+                     if p.is_file() and os.access(p, os.X_OK)), key=_version_key)
+    if pinned:
+        return shlex.quote(str(pinned[-1])), ("kubectl is not on your PATH; using the "
+                                              f"pinned one the tests downloaded: {pinned[-1]}")
+    return "kubectl", (f"kubectl is not on your PATH: `{FETCH_KUBECTL}` (from the "
+                       "repository) downloads a pinned one into .tools/ and prints its "
+                       f"path; or install any kubectl >= {MIN_KUBECTL} "
+                       "(https://kubernetes.io/docs/tasks/tools/).")
+
+
+def _mvproxy_command() -> str:
+    """How to call mvproxy itself: the console script next to this interpreter."""
+    beside = Path(sys.executable).parent / "mvproxy"
+    if shutil.which("mvproxy") or not beside.is_file():
+        return "mvproxy"
+    return shlex.quote(str(beside))
 
 
 def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
     """What to try, for a newcomer to copy and paste."""
     kubectl, note = _kubectl_hint()
+    mvproxy = _mvproxy_command()
     q = shlex.quote
     servers = cluster.servers
     first = servers[0]
@@ -664,6 +694,8 @@ def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
         f"  {kubectl} --context {first.id} --user viewer-token get namespaces",
         f"  {kubectl} --context {first.id} --user viewer-token create namespace nope"
         "    # Forbidden",
+        "",
+        f"  {mvproxy} --help    # mvproxy itself: every command and its options",
         "",
         "  # What mvproxy sees: discovery state of its backend and peers, and metrics",
         "  # (apiserver_rerouted_request_total counts requests forwarded to a peer):",

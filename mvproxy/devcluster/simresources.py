@@ -272,7 +272,7 @@ class ResourceAPI:
             return await self._evict(request, t)
         if sub in ("ephemeralcontainers", "resize", "approval", "finalize") and verb != "create":
             return await self._generic_subresource(request, t)
-        return apistatus.method_not_allowed()
+        return apistatus.not_simulated(405, f"{verb} {t.entry.resource}/{sub}")
 
     async def _status(self, request: web.Request, t: Target) -> web.Response:
         """/status: reads the whole object, writes only .status (generation unchanged)."""

@@ -27,6 +27,8 @@ from . import apistatus, simendpoints, simwatch
 from .catalog import Catalog, disabled_keys, load_catalog
 from .simauth import REQUEST_INFO
 from .simdiscovery import Discovery, health, version_info
+from .simmetrics import PATH as METRICS_PATH
+from .simmetrics import SimMetrics
 from .simopenapi import PREFIX, OpenAPI
 from .simresources import ResourceAPI
 from .store import AlreadyExists, Key, Store
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public")
 _HEALTH = frozenset(("healthz", "livez", "readyz"))
 _SHUTDOWN_GRACE = 5.0
+#: Non-resource paths a real kube-apiserver serves and the simulator does not.
+_KUBE_ONLY_PATHS = ("/openapi/v2", "/logs", "/debug", "/.well-known", "/openid",
+                    "/flowcontrol", "/ui")
 
 SIM = web.AppKey("sim", "Sim")
 
@@ -50,6 +55,7 @@ class Sim:
         self.resources = ResourceAPI(catalog, store, bookmark_interval=bookmark_interval)
         self.version = version_info(catalog)
         self.openapi = OpenAPI(catalog)
+        self.metrics = SimMetrics()
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
@@ -62,10 +68,14 @@ class Sim:
         path = request.path.rstrip("/")
         if path == PREFIX or path.startswith(PREFIX + "/"):
             return self.openapi.handle(request)
+        if path == METRICS_PATH:
+            return self.metrics.handle(request)
         if path == "/version":
             return web.Response(body=self.version, content_type="application/json")
         if path.split("/")[1:2] and path.split("/")[1] in _HEALTH:
             return health(request)
+        if any(path == p or path.startswith(p + "/") for p in _KUBE_ONLY_PATHS):
+            return apistatus.not_simulated(404, f"GET {path}")
         return apistatus.path_not_found()
 
 
@@ -97,7 +107,8 @@ def build_app(*, catalog: Catalog, store: Store, server_id: str, authenticator: 
     With an ``authenticator`` (``simauth.Authenticator``), requests are authenticated,
     authorized and audited; without one everything is allowed (in-process tests).
     """
-    middlewares: list[Any] = [request_info_middleware]
+    sim = Sim(catalog, store, server_address, bookmark_interval)
+    middlewares: list[Any] = [request_info_middleware, sim.metrics.middleware()]
     if authenticator is not None:
         from . import simauth
 
@@ -106,7 +117,6 @@ def build_app(*, catalog: Catalog, store: Store, server_id: str, authenticator: 
     if authenticator is not None:
         app.on_response_prepare.append(simauth.audit_id_on_prepare)
     ensure_namespaces(store)
-    sim = Sim(catalog, store, server_address, bookmark_interval)
     app[SIM] = sim
     app[simwatch.WATCHES] = set()
     app.on_shutdown.append(simwatch.on_shutdown)
