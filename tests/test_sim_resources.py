@@ -279,7 +279,7 @@ async def test_list_selectors_and_all_namespaces(client):
     assert [p["metadata"]["name"] for p in by_name["items"]] == ["b"]
     by_ns = await call(client, "GET", "/api/v1/pods?fieldSelector=metadata.namespace%3Dother")
     assert [p["metadata"]["name"] for p in by_ns["items"]] == ["c"]
-    doc = await call(client, "GET", f"{PODS}?fieldSelector=spec.nodeName%3Dn", status=400)
+    doc = await call(client, "GET", f"{PODS}?fieldSelector=spec.nodeNam%3Dn", status=400)
     assert_status(doc, 400, "BadRequest")
     await call(client, "GET", f"{PODS}?labelSelector=%3D%3Dbad", status=400)
 

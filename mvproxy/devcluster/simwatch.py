@@ -105,7 +105,7 @@ class WatchRequest:
             self.fields = f"{self.fields},{by_name}" if self.fields else by_name
         try:
             parse_label_selector(self.labels)
-            parse_field_selector(self.fields)
+            parse_field_selector(self.fields, t.group, t.resource)
             rv = q.get("resourceVersion", "")
             self.start = int(rv) if rv not in ("", "0") else None
             self.timeout = float(q.get("timeoutSeconds") or 0)
