@@ -73,7 +73,7 @@ class ResourceAPI:
         shown = present(t, obj)
         if chosen.kind == "Table":
             meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
-            return json_response(_table(request, [shown], meta, chosen))
+            return json_response(_table(request, t, [shown], meta, chosen))
         if chosen.kind == "PartialObjectMetadata":
             return json_response(tables.partial_metadata(shown, chosen.version))
         return json_response(shown)
@@ -98,7 +98,7 @@ class ResourceAPI:
         meta = {"resourceVersion": rv, **({"continue": token} if token else {})}
         shown = [present(t, o) for o in items]
         if chosen.kind == "Table":
-            return json_response(_table(request, shown, meta, chosen))
+            return json_response(_table(request, t, shown, meta, chosen))
         if chosen.kind == "PartialObjectMetadataList":
             return json_response({
                 "kind": "PartialObjectMetadataList",
@@ -385,11 +385,12 @@ def _options_dry_run(options: Any) -> bool:
     return isinstance(options, dict) and "All" in (options.get("dryRun") or [])
 
 
-def _table(request: web.Request, objects: list[dict], meta: dict,
+def _table(request: web.Request, t: Target, objects: list[dict], meta: dict,
            chosen: Negotiated) -> dict:
     include = request.query.get("includeObject") or "Metadata"
     if include not in tables.INCLUDE_OBJECT:
         raise RequestError(apistatus.bad_request(
             f'unrecognized includeObject value: "{include}"'))
-    return tables.table(objects, list_meta=meta, include=include, version=chosen.version)
+    return tables.table(objects, list_meta=meta, include=include, version=chosen.version,
+                        group=t.group, resource=t.resource)
 

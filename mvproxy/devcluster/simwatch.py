@@ -53,7 +53,8 @@ class Encoder:
         if self.chosen.kind == "Table":
             meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
             doc = tables.table([shown], list_meta=meta, include=self.include,
-                               version=self.chosen.version, headers=not self.headers_sent)
+                               version=self.chosen.version, headers=not self.headers_sent,
+                               group=self.t.group, resource=self.t.resource)
             self.headers_sent = True
             return doc
         if self.chosen.kind:
