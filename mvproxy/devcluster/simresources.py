@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mvproxy.requestinfo import RequestInfo
 
-from . import apistatus, patching, simwatch, tables
+from . import apistatus, patching, simlogs, simwatch, tables
 from .catalog import Catalog
 from .mediatypes import LIST_CONVERSIONS, OBJECT_CONVERSIONS, Negotiated, negotiate
 from .simobjects import (
@@ -264,8 +264,9 @@ class ResourceAPI:
 
             return await simexec.handle_exec(request, t.info, pod)
         if sub == "log":
-            await self._load(t, t.path_name)
-            return web.Response(text="", content_type="text/plain")
+            if t.info.verb != "get":
+                return apistatus.method_not_allowed()
+            return await simlogs.handle_log(request, await self._load(t, t.path_name))
         if sub == "eviction":
             return await self._evict(request, t)
         if sub in ("ephemeralcontainers", "resize", "approval", "finalize") and verb != "create":
