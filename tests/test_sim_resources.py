@@ -279,7 +279,7 @@ async def test_list_selectors_and_all_namespaces(client):
     assert [p["metadata"]["name"] for p in by_name["items"]] == ["b"]
     by_ns = await call(client, "GET", "/api/v1/pods?fieldSelector=metadata.namespace%3Dother")
     assert [p["metadata"]["name"] for p in by_ns["items"]] == ["c"]
-    doc = await call(client, "GET", f"{PODS}?fieldSelector=spec.nodeName%3Dn", status=400)
+    doc = await call(client, "GET", f"{PODS}?fieldSelector=spec.nodeNam%3Dn", status=400)
     assert_status(doc, 400, "BadRequest")
     await call(client, "GET", f"{PODS}?labelSelector=%3D%3Dbad", status=400)
 
@@ -303,10 +303,13 @@ async def test_table_list_like_kubectl_get(client):
     assert response.headers["Content-Type"] == "application/json"
     doc = await response.json()
     assert (doc["kind"], doc["apiVersion"]) == ("Table", "meta.k8s.io/v1")
-    assert [c["name"] for c in doc["columnDefinitions"]] == ["Name", "Age"]
+    assert [c["name"] for c in doc["columnDefinitions"]] == [
+        "Name", "Ready", "Status", "Restarts", "Age", "IP", "Node", "Nominated Node",
+        "Readiness Gates"]
     assert doc["metadata"]["resourceVersion"]
     (row,) = doc["rows"]
-    assert row["cells"][0] == "web" and row["cells"][1].endswith("s")
+    assert row["cells"][0] == "web" and row["cells"][2] == "Running"
+    assert row["cells"][4].endswith("s")
     assert row["object"]["kind"] == "PartialObjectMetadata"
     assert row["object"]["metadata"]["namespace"] == "default"
 
@@ -528,7 +531,8 @@ async def test_watch_as_table_like_kubectl_get_w(client):
                           headers={"Accept": TABLE}) as response:
         first = await read_event(response)
         assert first["type"] == "ADDED" and first["object"]["kind"] == "Table"
-        assert [c["name"] for c in first["object"]["columnDefinitions"]] == ["Name", "Age"]
+        assert [c["name"] for c in first["object"]["columnDefinitions"]][:3] == [
+            "Name", "Ready", "Status"]
         assert first["object"]["rows"][0]["cells"][0] == "t1"
         await call(client, "POST", PODS, pod("t2"), status=201)
         second = await read_event(response)

@@ -304,8 +304,10 @@ def test_field_selector():
     assert parse_field_selector("metadata.name==x,metadata.namespace=d")(o)
     assert not parse_field_selector("metadata.name!=x")(o)
     assert not parse_field_selector("metadata.namespace=e")(o)
-    with pytest.raises(ValueError, match="field label not supported: spec.nodeName"):
+    with pytest.raises(ValueError, match='"spec.nodeName" is not a known field selector'):
         parse_field_selector("spec.nodeName=n1")
+    with pytest.raises(ValueError, match="field label not supported: spec.x"):
+        parse_field_selector("spec.x=n1", "", "pods")
     with pytest.raises(ValueError):
         parse_field_selector("metadata.name")
 
@@ -320,7 +322,7 @@ def test_list_with_selectors(store):
     assert names(store.list(*CM, None, label_selector="app=web")[0]) == [("d", "a"), ("e", "a")]
     assert names(store.list(*CM, None, field_selector="metadata.name=b")[0]) == [("d", "b")]
     assert names(store.list(*CM, None, field_selector="metadata.name!=a")[0]) == [("d", "b")]
-    with pytest.raises(ValueError, match="field label not supported"):
+    with pytest.raises(ValueError, match='"status.phase" is not a known field selector'):
         store.list(*CM, None, field_selector="status.phase=Running")
     with pytest.raises(ValueError):
         store.list(*CM, None, label_selector="app in (web")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mvproxy.requestinfo import RequestInfo
 
-from . import apistatus, patching, simreviews, simwatch, tables
+from . import apistatus, patching, simlogs, simreviews, simwatch, tables
 from .catalog import Catalog
 from .mediatypes import LIST_CONVERSIONS, OBJECT_CONVERSIONS, Negotiated, negotiate
 from .simobjects import (
@@ -75,7 +75,7 @@ class ResourceAPI:
         shown = present(t, obj)
         if chosen.kind == "Table":
             meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
-            return json_response(_table(request, [shown], meta, chosen))
+            return json_response(_table(request, t, [shown], meta, chosen))
         if chosen.kind == "PartialObjectMetadata":
             return json_response(tables.partial_metadata(shown, chosen.version))
         return json_response(shown)
@@ -100,7 +100,7 @@ class ResourceAPI:
         meta = {"resourceVersion": rv, **({"continue": token} if token else {})}
         shown = [present(t, o) for o in items]
         if chosen.kind == "Table":
-            return json_response(_table(request, shown, meta, chosen))
+            return json_response(_table(request, t, shown, meta, chosen))
         if chosen.kind == "PartialObjectMetadataList":
             return json_response({
                 "kind": "PartialObjectMetadataList",
@@ -266,8 +266,9 @@ class ResourceAPI:
 
             return await simexec.handle_exec(request, t.info, pod)
         if sub == "log":
-            await self._load(t, t.path_name)
-            return web.Response(text="", content_type="text/plain")
+            if t.info.verb != "get":
+                return apistatus.method_not_allowed()
+            return await simlogs.handle_log(request, await self._load(t, t.path_name))
         if sub == "eviction":
             return await self._evict(request, t)
         if sub in ("ephemeralcontainers", "resize", "approval", "finalize") and verb != "create":
@@ -387,11 +388,12 @@ def _options_dry_run(options: Any) -> bool:
     return isinstance(options, dict) and "All" in (options.get("dryRun") or [])
 
 
-def _table(request: web.Request, objects: list[dict], meta: dict,
+def _table(request: web.Request, t: Target, objects: list[dict], meta: dict,
            chosen: Negotiated) -> dict:
     include = request.query.get("includeObject") or "Metadata"
     if include not in tables.INCLUDE_OBJECT:
         raise RequestError(apistatus.bad_request(
             f'unrecognized includeObject value: "{include}"'))
-    return tables.table(objects, list_meta=meta, include=include, version=chosen.version)
+    return tables.table(objects, list_meta=meta, include=include, version=chosen.version,
+                        group=t.group, resource=t.resource)
 

@@ -23,7 +23,7 @@ from mvproxy.errors import PKIError, UsageError
 from mvproxy.logs import kv
 from mvproxy.requestinfo import RequestInfo, parse_request_info
 
-from . import apistatus, simendpoints, simwatch
+from . import apistatus, simendpoints, simlogs, simwatch
 from .catalog import Catalog, disabled_keys, load_catalog
 from .simauth import REQUEST_INFO
 from .simdiscovery import Discovery, health, version_info
@@ -120,6 +120,8 @@ def build_app(*, catalog: Catalog, store: Store, server_id: str, authenticator: 
     app[SIM] = sim
     app[simwatch.WATCHES] = set()
     app.on_shutdown.append(simwatch.on_shutdown)
+    app[simlogs.FOLLOWS] = set()
+    app.on_shutdown.append(simlogs.on_shutdown)
     app.router.add_route("*", "/{tail:.*}", sim.dispatch)
     log.debug("sim app built", extra=kv(server_id=server_id,
                                         version=catalog.kubernetes_version))

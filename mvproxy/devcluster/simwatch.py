@@ -53,7 +53,8 @@ class Encoder:
         if self.chosen.kind == "Table":
             meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
             doc = tables.table([shown], list_meta=meta, include=self.include,
-                               version=self.chosen.version, headers=not self.headers_sent)
+                               version=self.chosen.version, headers=not self.headers_sent,
+                               group=self.t.group, resource=self.t.resource)
             self.headers_sent = True
             return doc
         if self.chosen.kind:
@@ -105,7 +106,7 @@ class WatchRequest:
             self.fields = f"{self.fields},{by_name}" if self.fields else by_name
         try:
             parse_label_selector(self.labels)
-            parse_field_selector(self.fields)
+            parse_field_selector(self.fields, t.group, t.resource)
             rv = q.get("resourceVersion", "")
             self.start = int(rv) if rv not in ("", "0") else None
             self.timeout = float(q.get("timeoutSeconds") or 0)

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from . import fieldselectors
+
 __all__ = [
     "AlreadyExists",
     "Conflict",
@@ -202,38 +204,17 @@ def _labels_of(obj: dict) -> dict:
     return labels if isinstance(labels, dict) else {}
 
 
-_FIELDS = {"metadata.name": "name", "metadata.namespace": "namespace"}
+def parse_field_selector(text: str, group: str = "", resource: str = "") -> Predicate:
+    """Parse a field selector for (``group``, ``resource``) with kube's labels and errors
+    (see fieldselectors); ValueError is answered with BadRequest."""
+    return fieldselectors.parse(text, group, resource)
 
 
-def parse_field_selector(text: str) -> Predicate:
-    """Parse a field selector; only ``metadata.name`` / ``metadata.namespace`` are supported.
-
-    Operators ``=``, ``==``, ``!=``; requirements are ANDed. Any other field raises
-    ValueError("field label not supported: …"), which kube answers with BadRequest.
-    """
-    if not text.strip():
-        return lambda obj: True
-    reqs: list[tuple[str, bool, str]] = []
-    for part in (p.strip() for p in text.split(",")):
-        m = re.match(r"^([^=!\s]+)\s*(==|!=|=)\s*(.*)$", part)
-        if not m:
-            raise ValueError(f"invalid field selector requirement {part!r}")
-        field, op, value = m.groups()
-        if field not in _FIELDS:
-            raise ValueError(f"field label not supported: {field}")
-        reqs.append((_FIELDS[field], op == "!=", value.strip()))
-
-    def match(obj: dict) -> bool:
-        meta = _metadata_of(obj)
-        return all((meta.get(attr, "") == value) != negate for attr, negate, value in reqs)
-
-    return match
-
-
-def _selector(label_selector: str, field_selector: str) -> Predicate:
+def _selector(label_selector: str, field_selector: str, group: str = "",
+              resource: str = "") -> Predicate:
     """Combine both selectors; parsing happens once, up front, so errors surface early."""
     labels = parse_label_selector(label_selector)
-    fields = parse_field_selector(field_selector)
+    fields = parse_field_selector(field_selector, group, resource)
     return lambda obj: labels(obj) and fields(obj)
 
 
@@ -507,7 +488,7 @@ class Store:
         field_selector: str = "",
     ) -> list[dict]:
         """Delete every matching object in one transaction; each gets its own DELETED event."""
-        match = _selector(label_selector, field_selector)
+        match = _selector(label_selector, field_selector, group, resource)
         where, args = _scope(namespace)
         with self._write() as cur:
             rows = cur.execute(
@@ -561,7 +542,7 @@ class Store:
         page's resourceVersion, so a watch started from it may repeat a change but never
         misses one.
         """
-        match = _selector(label_selector, field_selector)
+        match = _selector(label_selector, field_selector, group, resource)
         where, args = _scope(namespace)
         list_rv: int | None = None
         if continue_token:
@@ -648,7 +629,7 @@ class Store:
         has been yielded (and taken): how far the watch has seen, even where nothing
         matched the selectors, which is what a bookmark may report.
         """
-        match = _selector(label_selector, field_selector)
+        match = _selector(label_selector, field_selector, group, resource)
         cursor = resource_version
         if resource_version == 0:
             items, list_rv, _ = await asyncio.to_thread(

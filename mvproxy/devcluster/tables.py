@@ -1,7 +1,8 @@
 """Server-side printing: objects as a ``meta.k8s.io`` Table, as ``kubectl get`` asks.
 
-kubectl prints whatever columns the server sends, so every resource gets kube's
-default columns (Name, Age — what a CRD without printer columns shows). Age is
+kubectl prints whatever columns the server sends: the common kinds get kube's own
+columns (see printers), every other resource kube's default ones (Name, Age — what a
+CRD without printer columns shows). Age is
 rendered on the server the way apimachinery's ``HumanDuration`` does ("5s", "3m2s",
 "2d"), so output matches a real cluster's.
 """
@@ -11,21 +12,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from .printers import printer_for
+
 META_GROUP = "meta.k8s.io"
 INCLUDE_OBJECT = ("Metadata", "Object", "None")
-
-_COLUMNS = [
-    {"name": "Name", "type": "string", "format": "name",
-     "description": "Name must be unique within a namespace. Is required when creating "
-                    "resources, although some resources may allow a client to request the "
-                    "generation of an appropriate name automatically.",
-     "priority": 0},
-    {"name": "Age", "type": "date", "format": "",
-     "description": "CreationTimestamp is a timestamp representing the server time when "
-                    "this object was created.",
-     "priority": 0},
-]
-
 
 def human_duration(seconds: float) -> str:
     """apimachinery's HumanDuration: coarser the older, at most two units."""
@@ -74,9 +64,8 @@ def partial_metadata(obj: dict, version: str = "v1") -> dict:
             "metadata": obj.get("metadata") or {}}
 
 
-def _row(obj: dict, include: str, version: str, now: datetime) -> dict:
-    row: dict[str, Any] = {"cells": [(obj.get("metadata") or {}).get("name", ""),
-                                     age(obj, now)]}
+def _row(obj: dict, include: str, version: str, now: datetime, cells: Any) -> dict:
+    row: dict[str, Any] = {"cells": cells(obj, lambda o: age(o, now))}
     if include == "Object":
         row["object"] = obj
     elif include == "Metadata":
@@ -87,13 +76,16 @@ def _row(obj: dict, include: str, version: str, now: datetime) -> dict:
 
 
 def table(objects: list[dict], *, list_meta: dict | None = None, include: str = "Metadata",
-          version: str = "v1", headers: bool = True, now: datetime | None = None) -> dict:
-    """A Table of ``objects``; ``headers=False`` omits columnDefinitions (later watch events)."""
+          version: str = "v1", headers: bool = True, now: datetime | None = None,
+          group: str = "", resource: str = "") -> dict:
+    """A Table of ``objects`` of (``group``, ``resource``); ``headers=False`` omits
+    columnDefinitions (later watch events)."""
     now = now or datetime.now(timezone.utc)
+    printer = printer_for(group, resource)
     return {
         "kind": "Table",
         "apiVersion": f"{META_GROUP}/{version}",
         "metadata": list_meta or {},
-        "columnDefinitions": list(_COLUMNS) if headers else None,
-        "rows": [_row(o, include, version, now) for o in objects],
+        "columnDefinitions": [dict(c) for c in printer.columns] if headers else None,
+        "rows": [_row(o, include, version, now, printer.cells) for o in objects],
     }
