@@ -1,4 +1,9 @@
-"""``pods/exec`` and ``pods/attach`` for the simulated API server, over WebSocket.
+"""``pods/exec`` and ``pods/attach`` for the simulated API server, over WebSocket or SPDY.
+
+kubectl ≤ 1.30 (and newer ones told so) upgrade to SPDY/3.1 instead, offering
+``v4``/``v3``/``v2.channel.k8s.io`` in ``X-Stream-Protocol-Version``; the client opens
+one SPDY stream per channel (``streamType`` error/stdin/stdout/stderr/resize) and the
+server answers as kubelet does (``_spdy_exec``).
 
 kubectl ≥ 1.31 speaks the ``v5.channel.k8s.io`` WebSocket subprotocol to the API
 server (client-go's WebSocket executor); older clients and the Python client use
@@ -7,7 +12,8 @@ server (client-go's WebSocket executor); older clients and the Python client use
 4 resize; v5 adds 255, "close stream <id>", which only the client sends.
 
 There is no container runtime: exec "runs" by echoing (``echo ARGS`` prints ARGS,
-any other command prints its own command line) and attach prints one line. Then,
+``false`` and ``sh -c 'exit N'`` fail with that code, any other command prints its own
+command line) and attach prints one line. Then,
 as kube-apiserver's stream translator does, the server sends the Success status and
 a normal WebSocket close and waits for the client to close. client-go needs that
 normal closure (1000) to see EOF on stdout and on the error stream, and it logs
