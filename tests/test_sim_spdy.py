@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import pytest
@@ -192,6 +193,31 @@ async def test_streams_beyond_the_limit_are_refused(server: Any) -> None:
         assert await c.frame() == Frame(spdy.PING, value=1)
     finally:
         c.close()
+
+
+async def test_a_client_that_never_reads_is_dropped(server: Any, monkeypatch: Any) -> None:
+    """A PING flood from a client that reads nothing cannot grow the server's memory:
+    once its write buffer passes the bound, the server drops the connection."""
+    monkeypatch.setattr(spdysession, "MAX_WRITE_BUFFER", 64 << 10)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((server.host, server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write((f"POST {PORTFORWARD} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                  "Upgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: portforward.k8s.io\r\n"
+                  "Content-Length: 0\r\n\r\n").encode())
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+    pings = Framer().encode(Frame(spdy.PING, value=1)) * 10000
+    dropped = False
+    try:
+        for _ in range(300):  # 36 MB of pings; the bound trips within ~3 MB (+ socket buffers)
+            writer.write(pings)
+            await asyncio.wait_for(writer.drain(), WAIT)
+    except (ConnectionError, OSError):
+        dropped = True
+    finally:
+        writer.close()
+    assert dropped
 
 
 def test_a_stream_nobody_reads_is_reset_not_buffered() -> None:

@@ -81,6 +81,12 @@ def test_exec_exit_code_propagates(cluster: DemoCluster, client, context: str) -
     assert "command terminated with exit code 3" in done.stderr
 
 
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_attach_prints_and_ends(cluster: DemoCluster, client, context: str) -> None:
+    done = run(cluster, client, context, "attach", "web")
+    assert (done.returncode, done.stdout) == (0, "attached to web/app\n"), done.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
