@@ -129,3 +129,32 @@ def test_kr8s_exec_completes(cluster: DemoCluster, context: str) -> None:
 
     assert asyncio.run(go()) == (b"hi\n", 0, 1)
 
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["mvproxy", "direct"])
+def test_python_client_port_forward_over_the_channel_protocol(cluster: DemoCluster,
+                                                              direct: bool) -> None:
+    """The ``kubernetes`` client's port-forward: WebSocket ``v4.channel.k8s.io``."""
+    from kubernetes import client as k8s  # noqa: PLC0415 - test extra
+    from kubernetes.stream import portforward  # noqa: PLC0415
+
+    server = cluster.server("apiserver-0")
+    config = k8s.Configuration()
+    config.host = server.backend_url if direct else server.proxy_url
+    config.ssl_ca_cert = str(cluster.ca)
+    config.cert_file = str(cluster.pki / "admin.crt")
+    config.key_file = str(cluster.pki / "admin.key")
+    with k8s.ApiClient(config) as api:
+        forward = portforward(k8s.CoreV1Api(api).connect_get_namespaced_pod_portforward,
+                              "web", "default", ports="80", _request_timeout=30)
+        try:
+            sock = forward.socket(80)
+            sock.settimeout(20)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: web\r\n\r\n")
+            answer = b""
+            while b"</p>" not in answer and (chunk := sock.recv(65536)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 OK") and b"port 80" in answer
+            sock.close()
+        finally:
+            forward.close()

@@ -182,14 +182,14 @@ async def _tunnel(ws: web.WebSocketResponse, pod: Mapping[str, Any]) -> None:
 
 
 async def _channels(ws: web.WebSocketResponse, pod: Mapping[str, Any], ports: list[int]) -> None:
-    """One connection per port: announce the channels, answer each port's request."""
+    """One connection per port: announce the channels, answer each port's first request."""
     for i, port in enumerate(ports):
         number = port.to_bytes(2, "little")
         await ws.send_bytes(bytes((2 * i,)) + number)
         await ws.send_bytes(bytes((2 * i + 1,)) + number)
     heads = [_Head() for _ in ports]
-    pending = set(range(len(ports)))
-    while pending:
+    answered: set[int] = set()
+    while True:  # until the client closes (kubelet keeps the socket as long), or idles
         try:
             msg = await ws.receive(timeout=IDLE_TIMEOUT)
         except TimeoutError:
@@ -200,7 +200,7 @@ async def _channels(ws: web.WebSocketResponse, pod: Mapping[str, Any], ports: li
         if not data or data[0] % 2 or data[0] // 2 >= len(ports):
             continue  # error channels and unknown channels carry nothing for the pod
         i = data[0] // 2
-        if i in pending and heads[i].add(data[1:]):
-            pending.discard(i)
+        if i not in answered and heads[i].add(data[1:]):
+            answered.add(i)  # one request per connection; later bytes are dropped
             await ws.send_bytes(bytes((2 * i,)) + http_answer(bytes(heads[i].data), pod,
                                                               ports[i]))
