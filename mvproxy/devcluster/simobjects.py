@@ -254,10 +254,13 @@ def name_for_create(t: Target, obj: dict) -> str:
 
 
 def apply_defaults(t: Target, obj: dict) -> None:
-    """The few defaults clients rely on: a Running pod (kubectl exec), an Active namespace."""
+    """The few defaults clients rely on: a Running, Ready pod (kubectl exec; kr8s polls
+    the Ready and ContainersReady conditions before exec), an Active namespace."""
     if t.group == "" and t.resource == "pods":
         status = obj.setdefault("status", {})
         status.setdefault("phase", "Running")
+        status.setdefault("conditions", [{"type": c, "status": "True"} for c in (
+            "PodScheduled", "Initialized", "ContainersReady", "Ready")])
     elif t.group == "" and t.resource == "secrets":
         obj["type"] = obj.get("type") or "Opaque"
     elif t.group == "" and t.resource == "namespaces":

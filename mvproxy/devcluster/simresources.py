@@ -265,6 +265,11 @@ class ResourceAPI:
             from . import simexec  # noqa: PLC0415 - optional, written separately
 
             return await simexec.handle_exec(request, t.info, pod)
+        if sub == "portforward":
+            pod = await self._load(t, t.path_name)
+            from . import simportforward  # noqa: PLC0415 - like simexec
+
+            return await simportforward.handle_portforward(request, pod)
         if sub == "log":
             if t.info.verb != "get":
                 return apistatus.method_not_allowed()
