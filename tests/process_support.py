@@ -70,17 +70,22 @@ def start_daemon(root: Path, tmp: Path, backend: str, *, args: tuple[str, ...] =
                             preexec_fn=limit)
 
     def stop() -> str:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(WAIT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(WAIT)
+        stop_process(proc)
         log.close()
         return (tmp / "daemon.log").read_text(errors="replace")
 
     return proc, port, admin, stop
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``WAIT``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(WAIT)
 
 
 async def wait_ready(admin: int) -> None:

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 from daemon_support import root  # noqa: F401 - root: the PKI fixture
-from process_support import WAIT, admin_get, backend, daemon_config, get, wait_ready  # noqa: F401
+from process_support import (  # noqa: F401 - backend: a fixture
+    admin_get,
+    backend,
+    daemon_config,
+    get,
+    stop_process,
+    wait_ready,
+)
 
 import mvproxy
 from mvproxy import pki
@@ -120,21 +127,11 @@ async def _serve_through(binary, env, root, tmp_path, backend, *args):  # noqa: 
             assert await get(port, ctx) == 200
             metrics = await admin_get(admin, "/metrics")
         except BaseException as exc:
-            _stop(proc)
+            stop_process(proc)
             raise AssertionError(log_path.read_text(errors="replace")) from exc
-        _stop(proc)
+        stop_process(proc)
     assert proc.returncode == 0, log_path.read_text(errors="replace")
     return metrics
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(WAIT)
 
 
 async def test_binary_runs_the_daemon_in_a_clean_environment(binary, clean_env, root,  # noqa: F811

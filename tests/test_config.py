@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from config_support import dotted_keys_of
 
 from mvproxy.config import (
     API_VERSION,
@@ -209,18 +210,6 @@ def dotted_keys(document: dict, prefix: str = "") -> set[str]:
         keys.add(prefix + key)
         if isinstance(value, dict):
             keys |= dotted_keys(value, f"{prefix}{key}.")
-    return keys
-
-
-def dotted_keys_of(cls: type, prefix: str = "") -> set[str]:
-    """Every YAML key the schema knows, read from the dataclass field metadata."""
-    keys = set()
-    for f in dataclasses.fields(cls):
-        key = prefix + f.metadata["key"]
-        keys.add(key)
-        section = getattr(f.metadata["parse"], "cls", None)
-        if section is not None:
-            keys |= dotted_keys_of(section, key + ".")
     return keys
 
 

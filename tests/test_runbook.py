@@ -8,16 +8,15 @@ flags from the CLI's own parser, admin paths from the admin listener's routes.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from config_support import dotted_keys_of
 from prometheus_client import Counter, Gauge, Histogram, generate_latest
 
 from mvproxy.cli import build_parser
-from mvproxy.config import Config
 from mvproxy.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,17 +58,6 @@ def exported_metrics() -> dict[str, set[str]]:
     for family in histograms:  # a histogram is named by its family too
         found[family] = found[family + "_count"]
     return found
-
-
-def config_keys(cls: type = Config, prefix: str = "") -> set[str]:
-    keys = set()
-    for f in dataclasses.fields(cls):
-        key = prefix + f.metadata["key"]
-        keys.add(key)
-        section = getattr(f.metadata["parse"], "cls", None)
-        if section is not None:
-            keys |= config_keys(section, key + ".")
-    return keys
 
 
 def mvproxy_flags() -> set[str]:
@@ -126,7 +114,7 @@ def problems(text: str) -> list[str]:
                 if labels - metrics[name]:
                     found.append(f"metric {name!r} has no label(s) {sorted(labels - metrics[name])}")
 
-    keys = config_keys()
+    keys = dotted_keys_of()
     tops = {k.split(".")[0] for k in keys}
     flags = mvproxy_flags()
     routes = admin_routes()
