@@ -30,6 +30,8 @@ from .simdiscovery import Discovery, health, version_info
 from .simmetrics import PATH as METRICS_PATH
 from .simmetrics import SimMetrics
 from .simopenapi import PREFIX, OpenAPI
+from .simopenapiv2 import PATH as OPENAPI_V2_PATH
+from .simopenapiv2 import OpenAPIV2
 from .simresources import ResourceAPI
 from .store import AlreadyExists, Key, Store
 
@@ -40,7 +42,7 @@ SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public")
 _HEALTH = frozenset(("healthz", "livez", "readyz"))
 _SHUTDOWN_GRACE = 5.0
 #: Non-resource paths a real kube-apiserver serves and the simulator does not.
-_KUBE_ONLY_PATHS = ("/openapi/v2", "/logs", "/debug", "/.well-known", "/openid",
+_KUBE_ONLY_PATHS = ("/logs", "/debug", "/.well-known", "/openid",
                     "/flowcontrol", "/ui")
 
 SIM = web.AppKey("sim", "Sim")
@@ -55,6 +57,7 @@ class Sim:
         self.resources = ResourceAPI(catalog, store, bookmark_interval=bookmark_interval)
         self.version = version_info(catalog)
         self.openapi = OpenAPI(catalog)
+        self.openapi_v2 = OpenAPIV2(catalog)
         self.metrics = SimMetrics()
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -68,6 +71,8 @@ class Sim:
         path = request.path.rstrip("/")
         if path == PREFIX or path.startswith(PREFIX + "/"):
             return self.openapi.handle(request)
+        if path == OPENAPI_V2_PATH:
+            return self.openapi_v2.handle(request)
         if path == METRICS_PATH:
             return self.metrics.handle(request)
         if path == "/version":
