@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -112,13 +113,21 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics, draining: asyncio.E
     async def page(request: web.Request) -> web.Response:
         return page_response(peers_document())
 
+    return admin_app(page=page, peers=peers, route=route, metrics=metrics_handler,
+                     livez=livez, readyz=readyz, debug=debug)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def admin_app(*, page: Handler, peers: Handler, route: Handler, metrics: Handler,
+              livez: Handler, readyz: Handler, debug: Handler) -> web.Application:
+    """The admin listener's paths, one table for a single process and for the
+    ``--workers`` supervisor alike, so the two can never serve different paths."""
     app = web.Application()
-    app.router.add_get("/", page)
-    app.router.add_get("/debug/mvproxy/peers", peers)
-    app.router.add_get("/debug/mvproxy/route", route)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/healthz", livez)
-    app.router.add_get("/livez", livez)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/debug/mvproxy", debug)
+    for path, handler in (("/", page), ("/debug/mvproxy/peers", peers),
+                          ("/debug/mvproxy/route", route), ("/metrics", metrics),
+                          ("/healthz", livez), ("/livez", livez), ("/readyz", readyz),
+                          ("/debug/mvproxy", debug)):
+        app.router.add_get(path, handler)
     return app

@@ -49,7 +49,7 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from mvproxy.admin import health_response, json_response, page_response
+from mvproxy.admin import admin_app, health_response, json_response, page_response
 from mvproxy.config import Config
 from mvproxy.errors import UsageError
 from mvproxy.logs import kv
@@ -309,16 +309,8 @@ class Supervisor:
                                     content_type="text/plain")
             return page_response(document)
 
-        app = web.Application()
-        app.router.add_get("/", page)
-        app.router.add_get("/debug/mvproxy/peers", peers)
-        app.router.add_get("/debug/mvproxy/route", route)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/healthz", livez)
-        app.router.add_get("/livez", livez)
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/debug/mvproxy", debug)
-        return app
+        return admin_app(page=page, peers=peers, route=route, metrics=metrics,
+                         livez=livez, readyz=readyz, debug=debug)
 
 
 async def _connect_abstract(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import signal
 from pathlib import Path
 
 import pytest
+from scripts_support import debian_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 60.0
@@ -24,17 +24,7 @@ RUN_TIMEOUT = 60.0
 
 
 def chromium() -> str:
-    spec = importlib.util.spec_from_file_location("mvproxy_dev", ROOT / "scripts" / "dev.py")
-    assert spec and spec.loader
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
-    found = dev.ensure_chromium()
-    if found:
-        return found
-    why = "chromium is not installed and cannot be installed here (needs apt-get as root)"
-    if os.environ.get("MVPROXY_REQUIRE_CHROMIUM"):
-        pytest.fail(why + "; MVPROXY_REQUIRE_CHROMIUM is set")
-    pytest.skip(why)
+    return debian_tool("chromium", "ensure_chromium", "MVPROXY_REQUIRE_CHROMIUM")
 
 
 async def run(binary: str, profile: Path, *args: str) -> str:

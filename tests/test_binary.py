@@ -7,7 +7,6 @@ Built once per test session (a shiv zipapp of the locked dependencies), then run
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from daemon_support import root  # noqa: F401 - root: the PKI fixture
+from scripts_support import script
 from process_support import (  # noqa: F401 - backend: a fixture
     admin_get,
     backend,
@@ -38,10 +38,7 @@ pytestmark = pytest.mark.slow
 
 
 def _dev():
-    spec = importlib.util.spec_from_file_location("mvproxy_dev", ROOT / "scripts" / "dev.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("dev")
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,7 @@ few named in EXTERNAL), so renaming a metric breaks this test, not a user's aler
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -20,6 +18,7 @@ import pytest
 import yaml
 from daemon_support import PODGROUPS, cluster, ready, root  # noqa: F401
 from prometheus_client import generate_latest
+from scripts_support import debian_tool, script
 from prometheus_client.parser import text_string_to_metric_families
 
 from mvproxy.workers import Supervisor
@@ -38,23 +37,9 @@ EXTERNAL = {
 """Metrics the rules may use that mvproxy does not export, and where they come from."""
 
 
-def _load_dev():
-    spec = importlib.util.spec_from_file_location("mvproxy_dev", ROOT / "scripts" / "dev.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = _load_dev().ensure_promtool()
-    if found:
-        return found
-    why = "promtool is not installed and cannot be installed here (needs apt-get as root)"
-    if os.environ.get("MVPROXY_REQUIRE_PROMTOOL"):
-        pytest.fail(why + "; MVPROXY_REQUIRE_PROMTOOL is set")
-    pytest.skip(why)
+    return debian_tool("promtool", "ensure_promtool", "MVPROXY_REQUIRE_PROMTOOL")
 
 
 def run_promtool(promtool: str, *args: str, cwd: Path = PROM) -> str:
@@ -91,11 +76,7 @@ def test_rule_unit_tests_can_fail(promtool: str, tmp_path: Path) -> None:
 
 
 def test_prometheusrule_is_generated_from_the_rules_file(promtool: str, tmp_path: Path) -> None:
-    generate = importlib.util.spec_from_file_location(
-        "gen_prometheusrule", ROOT / "scripts" / "gen_prometheusrule.py")
-    assert generate and generate.loader
-    module = importlib.util.module_from_spec(generate)
-    generate.loader.exec_module(module)
+    module = script("gen_prometheusrule")
     assert CRD.read_text() == module.render(), (
         "config/prometheus/mvproxy-prometheusrule.yaml is stale: run "
         "python3 scripts/gen_prometheusrule.py")

@@ -148,19 +148,29 @@ async def test_workers_stop_when_their_supervisor_is_killed(backend, root, tmp_p
     assert log.count("the supervisor is gone; shutting down") == 2
 
 
-async def test_a_port_taken_by_another_program_exits_2(backend, root, tmp_path):
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        taken = squatter.getsockname()[1]
+@pytest.mark.parametrize(("reuse_port", "message"), [
+    (False, "cannot listen on 127.0.0.1:{port}"),
+    (True, "another process is already serving it"),
+], ids=["taken by another program", "shared by another mvproxy"])
+async def test_a_port_already_in_use_exits_2(backend, root, tmp_path, reuse_port,  # noqa: F811
+                                             message):
+    """A port another program holds cannot be bound; one another instance listens on
+    with SO_REUSEPORT could be, and would quietly take half the first one's clients,
+    so the supervisor refuses a port something already serves."""
+    with socket.socket() as other:
+        if reuse_port:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
         proc, _, _, stop = start_daemon(root, tmp_path, backend,
-                                        args=("--workers", "2", "--secure-port", str(taken)))
+                                        args=("--workers", "2", "--secure-port", str(port)))
         try:
             code = await asyncio.to_thread(proc.wait, WAIT)
         finally:
             log = stop()
     assert code == 2
-    assert f"cannot listen on 127.0.0.1:{taken}" in log
+    assert message.format(port=port) in log
 
 
 @pytest.mark.parametrize("value", [0, 65, "2"])
@@ -208,21 +218,3 @@ def _abstract_listener(name: str) -> socket.socket:
     sock.bind("\0" + name[1:])
     sock.listen()
     return sock
-
-
-async def test_a_port_another_mvproxy_shares_is_not_joined(backend, root, tmp_path):  # noqa: F811
-    """SO_REUSEPORT would let a second instance (same user) quietly take half the
-    clients of the first; the supervisor refuses a port something already serves."""
-    with socket.socket() as other:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        shared = other.getsockname()[1]
-        proc, _, _, stop = start_daemon(root, tmp_path, backend,
-                                        args=("--workers", "2", "--secure-port", str(shared)))
-        try:
-            code = await asyncio.to_thread(proc.wait, WAIT)
-        finally:
-            log = stop()
-    assert code == 2
-    assert "another process is already serving it" in log
