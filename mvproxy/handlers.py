@@ -147,12 +147,11 @@ class Proxy:
         if isinstance(failure, ForwardError):
             log.log(V(3), "peer request failed", extra=kv(
                 peer=candidates[0], error=str(failure)[:300], retry=failure.retryable))
-            await self._to_peers(exchange, exchange.downstream, info, candidates[1:],
-                                 long_running, headers=headers, last=failure)
+            await self._to_peers(exchange, info, candidates[1:], long_running,
+                                 headers=headers, last=failure)
             return
         self._drop_idle(self.peers()[candidates[0]])
-        await self._to_peers(exchange, exchange.downstream, info, candidates,
-                             long_running, headers=headers)
+        await self._to_peers(exchange, info, candidates, long_running, headers=headers)
 
     def _drop_idle(self, upstream: Upstream) -> None:
         """After a stale pooled connection: the others to that upstream likely died too."""
@@ -226,27 +225,26 @@ class Proxy:
             elif route == routing.UNAVAILABLE:
                 reply(exchange, self._unavailable(info, decision))
             else:
-                await self._forward(exchange, downstream, info, decision, route,
+                await self._forward(exchange, info, decision, route,
                                     long_running or exchange.upgrade)
         finally:
             inflight.dec()
             duration.observe(time.perf_counter() - started)
 
-    async def _forward(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
+    async def _forward(self, exchange: Exchange, info: RequestInfo,
                        decision: routing.Decision, route: str, long_running: bool) -> None:
         if long_running:
             self.metrics.open_watches.inc()
         try:
             if route == routing.PEER:
-                await self._to_peers(exchange, downstream, info, decision.peers, long_running)
+                await self._to_peers(exchange, info, decision.peers, long_running)
             else:
-                await self._to_backend(exchange, downstream, long_running)
+                await self._to_backend(exchange, long_running)
         finally:
             if long_running:
                 self.metrics.open_watches.dec()
 
-    async def _to_backend(self, exchange: Exchange, downstream: Downstream,
-                          long_running: bool) -> None:
+    async def _to_backend(self, exchange: Exchange, long_running: bool) -> None:
         headers = forwarding.headers_for(exchange, to_peer=False)
         try:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
@@ -255,7 +253,7 @@ class Proxy:
             log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
             reply(exchange, self._backend_failure(exchange, exc))
 
-    async def _to_peers(self, exchange: Exchange, downstream: Downstream, info: RequestInfo,
+    async def _to_peers(self, exchange: Exchange, info: RequestInfo,
                         candidates: tuple[str, ...], long_running: bool, *,
                         headers=None, last: ForwardError | None = None) -> None:
         """Try capable peers in order; move on only when nothing may have reached one.
