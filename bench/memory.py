@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mvproxy import pki
+from mvproxy import devpki
 
 HERE = Path(__file__).resolve().parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -133,7 +133,7 @@ async def open_idle(port: int, ctx: ssl.SSLContext, path: str, count: int):
 
 
 async def measure(args: argparse.Namespace, root: Path) -> dict:
-    pki.init_pki(root / "pki", ["a"], days=2)
+    devpki.init_pki(root / "pki", ["a"], days=2)
     p = root / "pki"
     backend_port, port, admin = free_port(), free_port(), free_port()
     config = {

@@ -7,7 +7,7 @@ CAs), the backend (client pair and CA; the certificate-less twin too) and peers
 (a hash, so Kubernetes' symlink swap of a mounted Secret, an in-place rewrite and a
 rename all count). New material is used only if it passes the start-up checks of
 ``preflight`` for its settings and builds into SSL contexts; it then replaces the
-contexts as whole objects (``pki.SwappableContext``): new connections use it, open
+contexts as whole objects (``tls.SwappableContext``): new connections use it, open
 ones finish with what they had. Anything else is logged once per broken version,
 counted by role, and the loaded material stays.
 
@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 
 from cryptography import x509
 
-from mvproxy import pki, preflight
+from mvproxy import preflight, tls
 from mvproxy.config import Config
 from mvproxy.errors import PKIError, Problem
 from mvproxy.identity import IdentityResolver
@@ -221,7 +221,7 @@ def _bundle(role: str, path: str | None) -> tuple[tuple[x509.Certificate, ...],
     if not path:
         return (), ()
     try:
-        cas = pki.load_ca_bundle(path, "CA file")
+        cas = tls.load_ca_bundle(path, "CA file")
     except PKIError as exc:
         raise _RoleError(role, str(exc)) from exc
     entries = sorted(((role, i, ca.not_valid_after_utc.timestamp()) for i, ca in enumerate(cas)),
@@ -232,7 +232,7 @@ def _bundle(role: str, path: str | None) -> tuple[tuple[x509.Certificate, ...],
 def listener_context(cfg: Config) -> ssl.SSLContext:
     """Serving context; client certificates optional, verified by the client CA or the
     peer client CA if sent (``identity`` then tells which one issued it)."""
-    ctx = pki.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
+    ctx = tls.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
     peer_ca = cfg.peer.client_ca_file
     if peer_ca and peer_ca != cfg.client_ca_file:
         try:
@@ -250,7 +250,7 @@ class DaemonTLS:
     def __init__(self, cfg: Config, identity: IdentityResolver,
                  on_refused: Callable[[str], None] | None = None):
         self.listener = self.backend = self.backend_anonymous = None
-        self.peer: pki.SwappableContext | None = None
+        self.peer: tls.SwappableContext | None = None
         units = [self._listener_unit(cfg, identity), self._backend_unit(cfg)]
         if cfg.peers or cfg.peer.cert_file:
             units.append(self._peer_unit(cfg))
@@ -268,7 +268,7 @@ class DaemonTLS:
 
             def apply() -> None:
                 if self.listener is None:
-                    self.listener = pki.SwappableContext(ctx)
+                    self.listener = tls.SwappableContext(ctx)
                 self.listener.context = ctx
                 identity.use_cas(client_cas, peer_cas)
             return Material(apply, (serving, *client_exp, *peer_exp))
@@ -283,13 +283,13 @@ class DaemonTLS:
         def build() -> Material:
             leaf = (_leaf_expiry("backend-client", b.cert_file),) if b.cert_file else ()
             _, ca_exp = _bundle("backend-ca", b.ca_file)
-            ctx = pki.client_context(b.ca_file, b.cert_file, b.key_file)
-            anonymous = pki.client_context(b.ca_file)
+            ctx = tls.client_context(b.ca_file, b.cert_file, b.key_file)
+            anonymous = tls.client_context(b.ca_file)
 
             def apply() -> None:
                 if self.backend is None:
-                    self.backend = pki.SwappableContext(ctx)
-                    self.backend_anonymous = pki.SwappableContext(anonymous)
+                    self.backend = tls.SwappableContext(ctx)
+                    self.backend_anonymous = tls.SwappableContext(anonymous)
                 self.backend.context, self.backend_anonymous.context = ctx, anonymous
             return Material(apply, (*leaf, *ca_exp))
         return Unit("backend", files=(b.cert_file, b.key_file, b.ca_file),
@@ -302,11 +302,11 @@ class DaemonTLS:
         def build() -> Material:
             leaf = (_leaf_expiry("peer-client", p.cert_file),) if p.cert_file else ()
             _, ca_exp = _bundle("peer-ca", p.ca_file)
-            ctx = pki.client_context(p.ca_file, p.cert_file, p.key_file)
+            ctx = tls.client_context(p.ca_file, p.cert_file, p.key_file)
 
             def apply() -> None:
                 if self.peer is None:
-                    self.peer = pki.SwappableContext(ctx)
+                    self.peer = tls.SwappableContext(ctx)
                 self.peer.context = ctx
             return Material(apply, (*leaf, *ca_exp))
         # peer.clientCAFile is read too: this certificate must chain to it (preflight).

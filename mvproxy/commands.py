@@ -14,10 +14,10 @@ from mvproxy.errors import MvproxyError, UsageError
 
 
 def certs_init(args: argparse.Namespace) -> int:
-    from mvproxy import pki
+    from mvproxy import devpki
 
-    written = pki.init_pki(args.directory, args.server_ids, hosts=args.hosts,
-                           days=args.days, force=args.force)
+    written = devpki.init_pki(args.directory, args.server_ids, hosts=args.hosts,
+                              days=args.days, force=args.force)
     print(f"wrote {len(written)} files to {args.directory}")
     return 0
 
@@ -25,7 +25,7 @@ def certs_init(args: argparse.Namespace) -> int:
 def load_checked_config(path: str | None, overrides: dict[str, object]):
     """Load, validate and check the certificate material of a configuration."""
     from mvproxy import preflight
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
 
     cfg = load_config(path, overrides)
     return preflight.check(cfg, path or "<flags>")

@@ -27,7 +27,7 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.logs import kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
-from mvproxy.pki import SwappableContext, current_context, peer_serving_problem
+from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
 log = logging.getLogger(__name__)
 

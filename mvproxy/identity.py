@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from cryptography import x509
 
-from mvproxy import pki
+from mvproxy import tls
+from mvproxy.errors import PKIError
 from mvproxy.logs import throttled
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,8 @@ class IdentityResolver:
 
     def __init__(self, *, client_ca_file: str | None, peer_client_ca_file: str | None,
                  peer_allowed_names: Iterable[str], memo_size: int = 1024):
-        self._client_cas = pki.load_ca_bundle(client_ca_file, "client CA file") if client_ca_file else ()
-        self._peer_cas = (pki.load_ca_bundle(peer_client_ca_file, "peer client CA file")
+        self._client_cas = tls.load_ca_bundle(client_ca_file, "client CA file") if client_ca_file else ()
+        self._peer_cas = (tls.load_ca_bundle(peer_client_ca_file, "peer client CA file")
                           if peer_client_ca_file else ())
         self._allowed = frozenset(peer_allowed_names)
         self._memo: OrderedDict[bytes, Downstream] = OrderedDict()
@@ -131,23 +132,23 @@ class IdentityResolver:
     def _classify(self, der: bytes) -> Downstream:
         try:
             cert = x509.load_der_x509_certificate(der)
-            names = pki.common_names(der)
-            cn, orgs = pki.subject_identity(der)
-        except (ValueError, pki.PKIError):
+            names = tls.common_names(der)
+            cn, orgs = tls.subject_identity(der)
+        except (ValueError, PKIError):
             # OpenSSL verified it but cryptography cannot parse it: trust nothing it
             # claims; its bearer token (if any) still reaches the backend unchanged.
             throttled.warning(log, "client certificate could not be parsed; treating the "
                                    "connection as anonymous")
             return ANONYMOUS_DOWNSTREAM
-        trusted = pki.issued_by_any(cert, self._peer_cas) or pki.issued_by_any(
+        trusted = tls.issued_by_any(cert, self._peer_cas) or tls.issued_by_any(
             cert, self._client_cas)
         if trusted and len(names) > 1:
             throttled.warning(log, "client certificate with several common names refused",
                               common_names=len(names))
             return AMBIGUOUS_DOWNSTREAM
-        if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
+        if cn in self._allowed and tls.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
-        if cn and pki.issued_by_any(cert, self._client_cas):
+        if cn and tls.issued_by_any(cert, self._client_cas):
             return user_downstream(cn, orgs)
         return ANONYMOUS_DOWNSTREAM
 

@@ -47,8 +47,8 @@ from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
-from mvproxy.pki import SwappableContext, current_context
 from mvproxy.requestcheck import Refusal, check_request
+from mvproxy.tls import SwappableContext, current_context
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from process_support import (  # noqa: F401 - backend: a fixture
 )
 
 import mvproxy
-from mvproxy import pki
+from mvproxy import tls
 from mvproxy.devcluster.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ async def _serve_through(binary, env, root, tmp_path, backend, *args):  # noqa: 
                                 stdin=subprocess.DEVNULL)
         try:
             await wait_ready(admin)
-            ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+            ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
             assert await get(port, ctx) == 200
             metrics = await admin_get(admin, "/metrics")
         except BaseException as exc:

@@ -16,7 +16,7 @@ from daemon_support import root  # noqa: F401 - root: the PKI fixture
 from process_support import admin_get, backend, get, start_daemon, wait_ready  # noqa: F401
 from reliability import record
 
-from mvproxy import pki
+from mvproxy import tls
 
 NOFILE = 200
 
@@ -40,7 +40,7 @@ async def close_all(tasks) -> None:
 
 async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_path):  # noqa: F811
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE)
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         connected, waiting = await open_many(port, ctx, 80)
@@ -64,7 +64,7 @@ async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, 
     """maxConnections set above what the process can open: accept fails with EMFILE."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE,
                                            maxConnections=1000)
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         connected, waiting = await open_many(port, ctx, 2 * NOFILE)

@@ -139,7 +139,7 @@ async def test_a_peer_with_an_untrusted_certificate_is_never_used(aiohttp_server
     ctx.load_cert_chain(crt, key)
     impostor = await aiohttp_server(fake_server("impostor", "1.36"), ssl=ctx)
     from mvproxy.app import build_daemon, running
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
     from mvproxy.devcluster.launcher import free_port
     overrides = {
         "serverID": "a", "bindAddress": "127.0.0.1", "securePort": free_port(),

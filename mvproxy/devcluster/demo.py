@@ -495,7 +495,7 @@ def start_cluster(
     after stopping whatever it started.
     """
     from mvproxy.devcluster.kubeconfig import write_kubeconfig
-    from mvproxy.pki import init_pki
+    from mvproxy.devpki import init_pki
 
     if membership not in MEMBERSHIPS:
         raise UsageError(f"--membership: must be one of {', '.join(MEMBERSHIPS)}, "

@@ -37,8 +37,8 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from mvproxy.devcluster.apistatus import status_response
 from mvproxy.errors import ConfigError, Problem, UsageError
-from mvproxy.pki import issued_by_any, load_ca_bundle, subject_identity
 from mvproxy.requestinfo import RequestInfo, parse_request_info
+from mvproxy.tls import issued_by_any, load_ca_bundle, subject_identity
 
 __all__ = [
     "ANONYMOUS",
