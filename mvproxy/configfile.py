@@ -54,7 +54,7 @@ def _read_document(source: str) -> dict[Any, Any]:
     except OSError as error:
         raise ConfigError(source, [Problem(source, f"cannot read the configuration file: {error.strerror}")]) from None
     try:
-        document = yaml.load(data, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        document = yaml.load(data, Loader=_StrictLoader)
     except yaml.YAMLError as error:
         raise ConfigError(source, [Problem(source, _describe_yaml_error(error))]) from None
     if not isinstance(document, dict):

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
@@ -257,7 +257,7 @@ def _generate_layout(
     root: Path, server_ids: Sequence[str], hosts: Sequence[str], days: int
 ) -> list[str]:
     """Write the whole PKI under ``root``; returns paths relative to ``root``."""
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     server_auth, client_auth = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
     ca = _make_ca(CLUSTER_CA_CN, now, days)
     front_ca = _make_ca(FRONT_PROXY_CA_CN, now, days)

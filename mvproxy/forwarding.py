@@ -38,10 +38,11 @@ from mvproxy.errors import (
     UpstreamUnreachable,
     UpstreamUnserved,
 )
-from mvproxy.identity import PEER_PROXIED, REMOTE_PREFIX, Downstream, identity_headers
+from mvproxy.identity import REMOTE_PREFIX, Downstream, identity_headers
 from mvproxy.listener import Exchange
 from mvproxy.logs import V, kv
 from mvproxy.transport import Pool, Transport, Upstream, UpstreamConnection
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 

@@ -40,10 +40,10 @@ from cryptography import x509
 from mvproxy import tls
 from mvproxy.errors import PKIError
 from mvproxy.logs import throttled
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 
-PEER_PROXIED = "x-kubernetes-peer-proxied"
 REMOTE_USER = "X-Remote-User"
 REMOTE_GROUP = "X-Remote-Group"
 REMOTE_PREFIX = "x-remote-"

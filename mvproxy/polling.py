@@ -38,10 +38,10 @@ from mvproxy.errors import (
     UpstreamTimeout,
     UpstreamUnresolved,
 )
-from mvproxy.identity import PEER_PROXIED
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
 from mvproxy.transport import BodyTooLarge, Transport, Upstream
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cryptography import x509
@@ -32,11 +32,11 @@ from cryptography.x509.oid import NameOID
 from mvproxy.errors import PKIError, Problem
 
 __all__ = [
-    "server_context",
-    "client_context",
     "SwappableContext",
-    "current_context",
     "check_certificate",
+    "client_context",
+    "current_context",
+    "server_context",
     "subject_identity",
 ]
 
@@ -178,7 +178,7 @@ def current_context(source: ssl.SSLContext | SwappableContext) -> ssl.SSLContext
 
 
 def _format_time(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime(_TIME_FORMAT)
+    return moment.astimezone(UTC).strftime(_TIME_FORMAT)
 
 
 def _read_file(path: StrPath) -> tuple[bytes | None, Problem | None]:
@@ -263,9 +263,9 @@ def check_certificate(
         cert = x509.load_pem_x509_certificate(data)
     except ValueError:
         return [Problem(str(cert_file), "not a PEM certificate")]
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     if now.tzinfo is None:
-        now = now.replace(tzinfo=timezone.utc)
+        now = now.replace(tzinfo=UTC)
     problems: list[Problem] = []
     if now > cert.not_valid_after_utc:
         problems.append(

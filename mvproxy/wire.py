@@ -24,6 +24,9 @@ HOP_BY_HOP = frozenset((
     "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
 ))
 FRAMING = frozenset(("content-length", "transfer-encoding"))
+PEER_PROXIED = "x-kubernetes-peer-proxied"
+"""kube-apiserver's mark on a request one server sent to a peer: the peer answers from
+its own backend. Set by forwarding and by the discovery poller, read by identity."""
 HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
 
 LAST_CHUNK = b"0\r\n\r\n"
