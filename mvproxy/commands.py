@@ -50,12 +50,6 @@ def check_config(path: str, overrides: dict[str, object], *, manifest: str | Non
     return 0
 
 
-class NotBuiltYet(MvproxyError):
-    """A subcommand whose implementation has not landed yet."""
-
-    exit_code = 3
-
-
 def run(path: str | None, overrides: dict[str, object]) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 0 after draining."""
     import asyncio

@@ -61,6 +61,7 @@ __all__ = [
     "Negotiated",
     "PEER_ACCEPT",
     "Snapshot",
+    "check_prefix",
     "etag",
     "group_name",
     "merge",
@@ -71,7 +72,6 @@ __all__ = [
     "render_api_group",
     "render_api_group_list",
     "render_api_versions",
-    "snapshot_from_documents",
 ]
 
 API_VERSION_V2 = "apidiscovery.k8s.io/v2"
@@ -314,26 +314,14 @@ class Snapshot:
         return (group, version) in self.group_versions
 
 
-def snapshot_from_documents(api_body: bytes, apis_body: bytes, *, max_bytes: int) -> Snapshot:
-    """A server's Snapshot from its aggregated ``/api`` and ``/apis`` bodies.
-
-    ``/api`` may hold only the core group and ``/apis`` only named groups, as on every
-    real kube-apiserver; anything else means the documents were mixed up.
-    """
-    core = _prefixed("/api", api_body, max_bytes)
-    groups = _prefixed("/apis", apis_body, max_bytes)
-    if any(group_name(g) for g in core):
-        _fail("/api", "lists a named group; only the core group \"\" belongs there")
-    if any(not group_name(g) for g in groups):
-        _fail("/apis", "lists the core group \"\"; it belongs in /api")
-    return Snapshot(core, groups)
-
-
-def _prefixed(path: str, body: bytes, max_bytes: int) -> tuple[dict, ...]:
-    try:
-        return parse_aggregated(body, max_bytes=max_bytes)
-    except DiscoveryFormatError as exc:
-        raise DiscoveryFormatError(f"{path} {exc}") from None
+def check_prefix(path: str, groups: tuple[dict, ...]) -> None:
+    """``/api`` holds only the core group and ``/apis`` only named groups, as on every
+    real kube-apiserver: anything else means the documents were mixed up."""
+    core = path == "/api"
+    for group in groups:
+        if (group_name(group) == "") != core:
+            raise DiscoveryFormatError(
+                f"GET {path}: group {group_name(group)!r} does not belong there")
 
 
 # --------------------------------------------------------------------------- ordering

@@ -164,8 +164,3 @@ def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:
         return []
     return [(REMOTE_USER, downstream.user), *((REMOTE_GROUP, g) for g in downstream.groups)]
 
-
-def is_identity_header(name: str) -> bool:
-    """Headers only a peer may send: ``X-Remote-*`` and the peer-proxied marker."""
-    lowered = name.lower()
-    return lowered.startswith(REMOTE_PREFIX) or lowered == PEER_PROXIED

@@ -705,12 +705,6 @@ class DownstreamConnection(FlowControl):
     def ended(self) -> bool:
         return self.closing
 
-    async def drain(self) -> None:
-        if self._write_paused and not self.closing:
-            waiter = self.loop.create_future()
-            self._write_waiters.append(lambda: waiter.done() or waiter.set_result(None))
-            await waiter
-
     def switch(self, sink: Callable[[bytes], None]) -> None:
         """Raw mode: bytes go to ``sink`` from now on (a tunnel)."""
         self._raw_sink = sink

@@ -23,7 +23,6 @@ HOP_BY_HOP = frozenset((
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
     "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
 ))
-FRAMING = frozenset(("content-length", "transfer-encoding"))
 PEER_PROXIED = "x-kubernetes-peer-proxied"
 """kube-apiserver's mark on a request one server sent to a peer: the peer answers from
 its own backend. Set by forwarding and by the discovery poller, read by identity."""

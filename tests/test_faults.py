@@ -50,7 +50,7 @@ from daemon_support import (  # root: the module's PKI fixture
 )
 from reliability import record
 
-from mvproxy.devcluster.demo import start_cluster
+from mvproxy.devcluster.demo import READY_TIMEOUT, start_cluster
 
 SUITE = "Faults"
 
@@ -308,13 +308,21 @@ async def phases(demo, load: Load) -> None:
     load.phase = "peer backend back as 1.37"
     backend.stop()
     backend.argv[backend.argv.index("--kubernetes-version") + 1] = "1.37"
-    await asyncio.to_thread(demo.start_backend, NEW2)
+    await asyncio.to_thread(start_backend_again, demo, NEW2)
     await settle(3)
     # 5. now the only capable peer freezes: 503 with Retry-After, promptly
     await frozen(demo, load, NEW1, NO_CAPABLE_PEER, 8)
     await asyncio.to_thread(demo.wait_converged)
     load.phase = "recovery 5"
     await settle(3)
+
+
+def start_backend_again(demo, sid: str) -> None:
+    """A stopped kube-apiserver started again (same port and store), then converged."""
+    backend = demo.server(sid).backend
+    backend.start()
+    backend.wait_ready(READY_TIMEOUT)
+    demo.wait_converged()
 
 
 async def frozen(demo, load: Load, sid: str, phase: str, seconds: float) -> None:

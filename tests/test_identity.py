@@ -33,7 +33,6 @@ from mvproxy.identity import (
     Downstream,
     IdentityResolver,
     identity_headers,
-    is_identity_header,
     is_peer_proxied,
 )
 
@@ -266,17 +265,6 @@ def test_identity_headers():
     assert identity_headers(Downstream(USER, "bob")) == [("X-Remote-User", "bob")]
     assert identity_headers(PEER_DS) == []  # a peer's own X-Remote-* pass through instead
     assert identity_headers(ANONYMOUS_DOWNSTREAM) == []
-
-
-@pytest.mark.parametrize("name, expected", [
-    ("X-Remote-User", True), ("x-remote-group", True), ("X-Remote-Uid", True),
-    ("X-Remote-Extra-Scopes", True), ("X-REMOTE-EXTRA-acme.com%2Fproject", True),
-    ("x-kubernetes-peer-proxied", True), ("X-Kubernetes-Peer-Proxied", True),
-    ("Authorization", False), ("Impersonate-User", False), ("Impersonate-Group", False),
-    ("X-Remoteuser", False), ("X-Forwarded-For", False), ("Audit-ID", False),
-])
-def test_is_identity_header(name, expected):
-    assert is_identity_header(name) is expected
 
 
 def test_constants_match_upstream_names():

@@ -208,11 +208,6 @@ class Authenticator:
             tuple(requestheader_allowed_names),
         )
 
-    def authenticate(self, request: web.Request) -> UserInfo | None:
-        """The authenticated user, or None (no usable credential)."""
-        user, _ = self.authenticate_detail(request)
-        return user
-
     def authenticate_detail(self, request: web.Request) -> tuple[UserInfo | None, bool]:
         """(user or None, whether a presented credential was rejected)."""
         cert = _peer_certificate(request)
