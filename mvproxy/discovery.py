@@ -48,6 +48,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from .accept import parse_accept
 from .errors import MvproxyError
 
 __all__ = [
@@ -566,34 +567,6 @@ _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 
-def _quality(text: str) -> float:
-    # As Go's goautoneg: an unparsable q is 0, which excludes the clause.
-    try:
-        q = float(text)
-    except ValueError:
-        return 0.0
-    return q if q == q else 0.0  # NaN
-
-
-def _clause(text: str) -> tuple[float, str, dict[str, str]]:
-    media_type, *raw_params = text.split(";")
-    params: dict[str, str] = {}
-    for raw in raw_params:
-        key, _, value = raw.partition("=")
-        params[key.strip().lower()] = value.strip().strip('"')
-    media_type = media_type.strip().lower()
-    # A bare "*" is how some clients write "*/*"; Go's goautoneg reads it so too.
-    return _quality(params.pop("q", "1")), "*/*" if media_type == "*" else media_type, params
-
-
-def _ranked_clauses(accept: str) -> list[tuple[str, dict[str, str]]]:
-    """Clauses by falling q, specific types before wildcards, otherwise as sent."""
-    clauses = [_clause(part) for part in accept.split(",") if part.strip()]
-    clauses = [c for c in clauses if c[0] > 0]
-    clauses.sort(key=lambda c: (-c[0], c[1].startswith("*/"), c[1].endswith("/*")))
-    return [(media_type, params) for _, media_type, params in clauses]
-
-
 def _aggregated_outcome(params: Mapping[str, str]) -> Negotiated | None:
     version = params.get("v", "")
     if (params["as"] != _LIST_KIND or params.get("g") != "apidiscovery.k8s.io"
@@ -648,8 +621,8 @@ def _negotiate(accept: str | None, aggregated: bool) -> Negotiated:
     """
     if accept is None or not accept.strip():
         return _LEGACY
-    for media_type, params in _ranked_clauses(accept):
-        outcome = _outcome(media_type, params, aggregated)
+    for clause in parse_accept(accept):
+        outcome = _outcome(clause.media_type, clause.params, aggregated)
         if outcome is not None:
             return outcome
     return _NOT_ACCEPTABLE
