@@ -25,6 +25,7 @@ so every published file's hash is recorded. Stdlib only: the image's build stage
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -128,14 +129,12 @@ def select(text: str, section: str) -> str:
             + "".join(chosen[name] + "\n" for name in sorted(chosen)))
 
 
-def _pip_compile() -> list[str]:
-    """A command running pip-compile: this interpreter's, else a throwaway venv's."""
-    try:
-        import piptools  # noqa: F401
+def _pip_compile(scratch: Path) -> list[str]:
+    """A command running pip-compile: this interpreter's, else that of a venv made
+    in ``scratch`` (removed with it)."""
+    if importlib.util.find_spec("piptools"):
         return [sys.executable, "-m", "piptools", "compile"]
-    except ImportError:
-        pass
-    where = Path(tempfile.mkdtemp(prefix="mvproxy-piptools-"))
+    where = scratch / "piptools-venv"
     venv.EnvBuilder(with_pip=True).create(where)
     subprocess.run([str(where / "bin" / "python"), "-m", "pip", "install", "-q",
                     "--index-url", INDEX, PIP_TOOLS], check=True, env=_isolated_env(),
@@ -153,14 +152,14 @@ def refresh(upgrade: bool = False) -> None:
     if sys.version_info[:2] != (3, 11):
         sys.exit(f"lock.py refresh: run it with CPython 3.11 (the lock's version), "
                  f"this is {sys.version.split()[0]}")
-    compile_ = _pip_compile() + [
-        "--quiet", "--no-header", "--generate-hashes", "--allow-unsafe", "--strip-extras",
-        "--no-emit-index-url", "--no-emit-find-links", "--index-url", INDEX,
-        *(["--upgrade"] if upgrade else [])]
     build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())[
         "build-system"]["requires"]
     with tempfile.TemporaryDirectory(prefix="mvproxy-lock-") as tmp_name:
         tmp = Path(tmp_name)
+        compile_ = _pip_compile(tmp) + [
+            "--quiet", "--no-header", "--generate-hashes", "--allow-unsafe",
+            "--strip-extras", "--no-emit-index-url", "--no-emit-find-links",
+            "--index-url", INDEX, *(["--upgrade"] if upgrade else [])]
         runtime, everything = tmp / "runtime.txt", tmp / "everything.txt"
         for seed in (runtime, everything):  # pip-compile keeps the pins it finds there
             if LOCK.exists():

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from scripts_support import script
 
 import mvproxy
-from scripts_support import script
 
 ROOT = Path(__file__).resolve().parent.parent
 
