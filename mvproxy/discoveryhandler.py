@@ -145,7 +145,8 @@ class DiscoveryHandler:
                                      headers, long_running=False)
         except ForwardError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after)
+            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
             exchange.respond(answer.status, answer.fields, answer.body)
 
     async def _authorize(self, exchange: Exchange, path: str) -> bool:
@@ -169,7 +170,8 @@ class DiscoveryHandler:
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after)
+            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                                       idempotent=exchange.method in forwarding.IDEMPOTENT)
             exchange.respond(failure.status, failure.fields, failure.body)
             return False
         if top_level and answer.status == 200 and answer.headers.get("ETag"):

@@ -2,8 +2,10 @@
 """Derive mvproxy's compact discovery catalogs from real kube-apiserver documents.
 
 Why: the simulated control plane (``mvproxy.devcluster``) must serve exactly what real
-kube-apiservers serve, but users do not have ``../shared`` at run time, so the facts
-ship as package data (``mvproxy/devcluster/catalogs/1.NN.json``).
+kube-apiservers serve, but the upstream documents are test data, not package data, so
+the facts ship compacted (``mvproxy/devcluster/catalogs/1.NN.json``). The source is the
+repository's copy in ``tests/data/k8s-discovery`` (see its README for provenance); a
+document may be stored gzipped (``NAME.gz``): index.json's sha256 is of the plain bytes.
 
 * One catalog per minor release 1.31 .. 1.37, from the newest snapshot of its dev
   cycle (``index.json`` lists each cycle's snapshots oldest first, so the last wins).
@@ -22,6 +24,7 @@ Usage: scripts/gen_catalogs.py [SOURCE_DIR] [--out DIR]   (stdlib only)
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import re
@@ -29,7 +32,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_SOURCE = REPO.parent / "shared" / "k8s-discovery"
+DEFAULT_SOURCE = REPO / "tests" / "data" / "k8s-discovery"
 DEFAULT_OUT = REPO / "mvproxy" / "devcluster" / "catalogs"
 RELEASES = tuple(f"1.{minor}" for minor in range(31, 38))
 CORE_FILE = "api__v1.json"
@@ -79,9 +82,16 @@ def core_entry(index: list[dict]) -> dict:
     return entries[-1]
 
 
+def read_bytes(path: Path) -> bytes:
+    """``path``'s bytes, or the gunzipped bytes of ``path.gz`` when only that exists."""
+    if path.exists():
+        return path.read_bytes()
+    return gzip.decompress(path.with_name(path.name + ".gz").read_bytes())
+
+
 def read_source(source: Path, entry: dict) -> tuple[dict, dict]:
     """Load one document, verifying index.json's sha256; return (doc, provenance)."""
-    raw = (source / entry["dir"] / entry["file"]).read_bytes()
+    raw = read_bytes(source / entry["dir"] / entry["file"])
     digest = hashlib.sha256(raw).hexdigest()
     _require(digest == entry["sha256"], f"{entry['dir']}: sha256 differs from index.json")
     provenance = {"repo": entry["source_repo"], "path": entry["source_path"],

@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+# --------------------------------------------------------------------------- leaked asyncio tasks
+# Autouse: a test whose event loop still has pending tasks at teardown fails (tests/leaks.py).
+
+from leaks import no_leaked_tasks  # noqa: E402,F401  (importing registers the fixture)
+
 # --------------------------------------------------------------------------- kubectl
 # A real kubectl (pinned, downloaded once into <repo>/.tools; see tests/kubectl.py).
 

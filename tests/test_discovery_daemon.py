@@ -1,5 +1,6 @@
 """Merged discovery through the assembled daemon, between fake upstreams: what protobuf
-clients get, and ``/apis/<g>`` agreeing with ``/apis``.
+clients get, ``/apis/<g>`` agreeing with ``/apis``, and what a client sees when no
+media type it accepts is served (406) or the authorization probe to the backend fails.
 
 The backend (1.35) serves ``widgets.example.com`` v1 only; the peer (1.36) serves it
 as v2 and v1, and alone serves ``gadgets.example.com``. The backend answers
@@ -9,12 +10,16 @@ as v2 and v1, and alone serves ``gadgets.example.com``. The backend answers
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 
 from aiohttp import web
 from daemon_support import (  # root: the module's PKI fixture
+    WAIT,
     Cluster,
+    cut_short,
     cluster,
     ready,
     root,  # noqa: F401
@@ -94,8 +99,9 @@ async def test_protobuf_discovery_gets_merged_json_or_406_never_a_partial_view(
     """staging/src/k8s.io/apiserver/pkg/endpoints/discovery/aggregated/wrapper.go serves
     the peer-aggregated document in any encoding, protobuf too. mvproxy encodes JSON
     only, and the backend's protobuf lacks peer-only APIs: a protobuf clause is skipped
-    for the client's next one (406 if none is left), except ``profile=nopeer``, which
-    asks for the backend's own view anyway (and is counted, as upstream counts it)."""
+    for the client's next one (406 if none is left: ``test_no_acceptable_media_type_*``),
+    except ``profile=nopeer``, which asks for the backend's own view anyway (and is
+    counted, as upstream counts it)."""
     async with groups_cluster(aiohttp_server, root) as c:
         await ready(c)
         status, headers, body = await c.get("/apis", headers={
@@ -104,10 +110,6 @@ async def test_protobuf_discovery_gets_merged_json_or_406_never_a_partial_view(
         assert headers["Content-Type"] == "application/json"
         listed = {g["name"] for g in json.loads(body)["groups"]}
         assert {GADGETS, WIDGETS} <= listed
-
-        status, _, body = await c.get("/apis", headers={"Accept": PROTOBUF_AGG})
-        assert status == 406, body
-        assert json.loads(body)["reason"] == "NotAcceptable"
 
         before = await c.metric(NOPEER) or 0.0
         status, _, body = await c.get("/apis", headers={
@@ -233,3 +235,164 @@ async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
         assert not handler._authorized
         documents = c.daemon.cache.view()._documents
         assert not [key for key in documents if isinstance(key, tuple) and key[0] != "/apis"]
+
+
+# --------------------------------------------------------------------------- 406, probe failures
+# What a client sees when the merged view could answer but no media type it accepts is
+# served, or when the authorization probe to the backend gives no usable answer. The
+# backend's discovery misbehaves only for probes carrying ``Bearer probe-<mode>``
+# (mvproxy's own polls carry no token), so the merged view stays synced throughout;
+# ``Bearer good`` is a client the backend says yes to.
+
+TOP_406 = "only aggregated (apidiscovery.k8s.io v2, v2beta1) and legacy JSON discovery is " \
+          "served here"
+
+
+def probe_faults(release: asyncio.Event):
+    """Backend routes: discovery probes misbehave as the bearer token says."""
+
+    @web.middleware
+    async def faults(request: web.Request, handler):
+        token = request.headers.get("Authorization", "")
+        if not token.startswith("Bearer probe-") or request.path.startswith("/api/"):
+            return await handler(request)
+        mode = token.removeprefix("Bearer probe-")
+        if mode == "deny":
+            return web.json_response(_status(401, "Unauthorized", "Unauthorized"), status=401)
+        if mode == "error":
+            return web.json_response(_status(500, "InternalError", "etcd is gone"),
+                                     status=500)
+        if mode == "slow":  # answers only after the test is over
+            await asyncio.wait_for(release.wait(), WAIT)
+            return await handler(request)
+        if mode == "garbage":  # not HTTP at all, then hang up
+            request.transport.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+            request.transport.close()
+            return web.Response()  # goes nowhere: the connection is closed
+        if mode == "truncated":
+            return await cut_short(request, b'{"kind":"APIGroupDiscoveryList","items":[')
+        raise AssertionError(f"unknown mode {mode}")
+
+    def install(app: web.Application) -> None:
+        app.middlewares.append(faults)
+        kube_like_groups(app)
+
+    return install
+
+
+@contextlib.asynccontextmanager
+async def probed_cluster(aiohttp_server, root):
+    release = asyncio.Event()
+    try:
+        async with cluster(aiohttp_server, root, backend_routes=probe_faults(release),
+                           backend_groups=BACKEND_GROUPS, peer_groups=PEER_GROUPS,
+                           timeouts={"request": "1s"}) as c:
+            await ready(c)
+            yield c
+    finally:
+        release.set()
+
+
+def _answerable_from_the_merge(c: Cluster) -> bool:
+    """The merged view would answer (so a failure below came from the probe)."""
+    view = c.daemon.cache.view()
+    return view.synced and view.merged() is not None
+
+
+async def _as(c: Cluster, path: str, mode: str, accept: str | None = None):
+    headers = {"Authorization": "Bearer good" if mode == "ok" else f"Bearer probe-{mode}"}
+    if accept is not None:
+        headers["Accept"] = accept
+    status, fields, body = await c.get(path, who="bearer", headers=headers)
+    return status, fields, json.loads(body) if body else None
+
+
+async def test_no_acceptable_media_type_is_a_406_status_after_authorization(
+        aiohttp_server, root):
+    """``/api`` and ``/apis`` answer a request accepting nothing mvproxy serves with a
+    406 Status naming what is served (no Retry-After: retrying cannot help), but only
+    once the backend has authorized the client: a refused one gets the refusal."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        assert _answerable_from_the_merge(c)
+        for path in ("/api", "/apis"):
+            for accept in ("text/html", "application/vnd.kubernetes.protobuf", PROTOBUF_AGG,
+                           "application/yaml"):
+                status, fields, body = await _as(c, path, "ok", accept)
+                assert status == 406, (path, accept, body)
+                assert body == _status(406, "NotAcceptable", TOP_406), (path, accept)
+                assert fields["Content-Type"] == "application/json"
+                assert "Retry-After" not in fields
+                status, _, body = await _as(c, path, "deny", accept)
+                assert (status, body) == (401, _status(401, "Unauthorized", "Unauthorized"))
+
+
+PROBE_FAILURES = [
+    # mode, status, reason, message
+    ("slow", 504, "Timeout", "the backend API server did not answer in time"),
+    ("garbage", 502, "InternalError",
+     "the backend API server sent a broken response or stopped answering"),
+    ("truncated", 502, "InternalError",
+     "the backend API server sent a broken response or stopped answering"),
+]
+
+
+async def test_a_failed_probe_is_a_status_with_retry_after_never_the_merged_view(
+        aiohttp_server, root):
+    """When the backend does not answer the probe usably (no answer in time, bytes that
+    are not HTTP, a body cut short), the client gets the Status ``upstream_failure``
+    gives a GET, Retry-After included (discovery is always safe to retry), and never the
+    merged document; nothing is remembered, so the next good probe is asked afresh."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        for path in ("/api", "/apis", f"/apis/{WIDGETS}", f"/apis/{GADGETS}"):
+            for mode, code, reason, message in PROBE_FAILURES:
+                assert _answerable_from_the_merge(c)
+                status, fields, body = await _as(c, path, mode)
+                assert status == code, (path, mode, body)
+                assert body == _status(code, reason, message), (path, mode)
+                assert fields["Content-Type"] == "application/json"
+                assert fields.get("Retry-After") == "1", (path, mode)  # ceil(pollInterval)
+            assert path not in {p for _, p in c.daemon.proxy.discovery._authorized}
+            status, _, body = await _as(c, path, "ok")
+            assert status == 200, (path, body)
+
+
+async def test_a_probe_the_backend_answers_with_an_error_is_relayed(aiohttp_server, root):
+    """A backend that answers the probe with something other than a yes (here a 500) is
+    relayed as if the request had been forwarded: its code and its Status."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        for path in ("/apis", f"/apis/{GADGETS}"):
+            status, _, body = await _as(c, path, "error")
+            assert (status, body) == (500, _status(500, "InternalError", "etcd is gone"))
+
+
+async def test_a_backend_that_cannot_be_reached_is_a_503_with_retry_after(
+        aiohttp_server, root):
+    """The backend stopped after the first sync: the merged view still holds, the probe
+    cannot connect, and the client gets 503 ServiceUnavailable with Retry-After."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        await c.backend_server.close()
+        for path in ("/api", "/apis", f"/apis/{GADGETS}"):
+            assert _answerable_from_the_merge(c)
+            status, fields, body = await _as(c, path, "ok")
+            assert status == 503, (path, body)
+            assert body == _status(503, "ServiceUnavailable",
+                                   "error trying to reach the backend API server: "
+                                   "cannot connect")
+            assert fields.get("Retry-After") == "1"
+
+
+async def test_a_forwarded_discovery_request_that_fails_is_retryable_too(
+        aiohttp_server, root):
+    """``profile=nopeer`` is the backend's own answer, forwarded; when it fails before
+    its head the client gets the same Statuses as for a failed probe, Retry-After
+    included (a body cut short after the head is relayed as cut, like any response)."""
+    nopeer = KUBECTL.split(",")[0] + ";profile=nopeer"
+    failures = [f for f in PROBE_FAILURES if f[0] != "truncated"]
+    async with probed_cluster(aiohttp_server, root) as c:
+        before = await c.metric(NOPEER) or 0.0
+        for mode, code, reason, message in failures:
+            status, fields, body = await _as(c, "/apis", mode, nopeer)
+            assert status == code, (mode, body)
+            assert body == _status(code, reason, message), mode
+            assert fields.get("Retry-After") == "1", mode
+        assert await c.metric(NOPEER) == before + len(failures)  # all forwarded

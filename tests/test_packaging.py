@@ -169,7 +169,7 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
 
 @pytest.mark.slow
 def test_wheel_ships_the_release_catalogs():
-    """`mvproxy sim` and the demo read them at run time; users have no ../shared."""
+    """`mvproxy sim` and the demo read them at run time; the wheel has no tests/data."""
     import zipfile
     import tempfile
 

@@ -79,11 +79,13 @@ class Proxy:
 
 
 @pytest.fixture
-def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
-                ) -> Callable[..., Awaitable[Proxy]]:
+async def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
+                      ) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
     """``await start_proxy(upstream_url, to_peer=False, identity=None)``: a TLS listener
     forwarding everything there, with the headers ``handlers`` computes for a backend
-    or a peer (``identity`` replaces the certificate check)."""
+    or a peer (``identity`` replaces the certificate check). Each proxy's transport is
+    closed at teardown (its deadline task would outlive the test)."""
+    transports: list[Transport] = []
     resolver = IdentityResolver(client_ca_file=str(root / "ca.crt"), peer_client_ca_file=None,
                                 peer_allowed_names=())
 
@@ -94,6 +96,7 @@ def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
         upstream = Upstream("backend", upstream_url, client_ssl or contexts["to_upstream"],
                             is_peer=to_peer)
         transport = Transport(connect_timeout=WAIT, request_timeout=WAIT)
+        transports.append(transport)
         proxy.transport = transport
 
         async def handle(exchange: Exchange) -> None:
@@ -114,7 +117,9 @@ def start_proxy(listen: Any, root: Path, contexts: dict[str, Any]
         proxy.url = f"https://127.0.0.1:{port}"
         return proxy
 
-    return start
+    yield start
+    for transport in transports:
+        await transport.close()
 
 
 @pytest.fixture
