@@ -229,7 +229,7 @@ def _choice(*options: str) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> str:
         if value not in options:
             raise _Invalid(f"must be one of {', '.join(map(repr, options))}, got {_describe(value)}")
-        return value  # type: ignore[return-value]
+        return value
 
     return parse
 
@@ -745,10 +745,10 @@ def _read_document(source: str) -> dict[Any, Any]:
 
 
 def _describe_yaml_error(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    if mark is None:
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
         return f"invalid YAML: {error}"
-    context = f" ({error.context})" if getattr(error, "context", None) else ""
+    mark = error.problem_mark
+    context = f" ({error.context})" if error.context else ""
     return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}{context}"
 
 

@@ -41,7 +41,7 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 async def resolve(name: str, port: int) -> list[str]:
     """The name's addresses (A and AAAA), deduplicated, sorted."""
     infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # the address (typed str | int)
 
 
 def server_id_from_cert(cert: dict[str, Any], resolved_name: str) -> str | None:

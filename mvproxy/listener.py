@@ -35,7 +35,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -338,7 +338,8 @@ class Exchange:
         self.started = True
         self.status = status
 
-    def write(self, data: bytes, *, end: bool = False, trailers: wire.Fields = ()) -> None:
+    def write(self, data: bytes, *, end: bool = False,
+              trailers: Sequence[tuple[str, str]] = ()) -> None:
         """Body bytes (framed here when chunked), with a held head before them and the
         end after them if ``end``: one write to the connection either way."""
         out = self._head_pending
@@ -353,7 +354,7 @@ class Exchange:
         if out:
             self.conn.write(out)
 
-    def end(self, trailers: wire.Fields = ()) -> None:
+    def end(self, trailers: Sequence[tuple[str, str]] = ()) -> None:
         """The end of the body (the last chunk, with any trailers)."""
         self.write(b"", end=True, trailers=trailers)
 
@@ -707,8 +708,12 @@ class DownstreamConnection(FlowControl):
 
     async def drain(self) -> None:
         if self._write_paused and not self.closing:
-            waiter = self.loop.create_future()
-            self._write_waiters.append(lambda: waiter.done() or waiter.set_result(None))
+            waiter: asyncio.Future[None] = self.loop.create_future()
+
+            def wake() -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._write_waiters.append(wake)
             await waiter
 
     def switch(self, sink: Callable[[bytes], None]) -> None:

@@ -388,7 +388,7 @@ class Pool:
         except (OSError, ssl.SSLError) as exc:
             raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
         if upstream.is_peer:
-            ssl_object = conn.transport.get_extra_info("ssl_object")
+            ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport else None
             der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
             problem = (peer_serving_problem(der, upstream.name,
                                             must_name=upstream.must_name_itself)
