@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins  # Store.list shadows list inside the class body
 import binascii
 import json
 import os
@@ -577,7 +578,7 @@ class Store:
 
     def _events_after(
         self, group: str, resource: str, namespace: str | None, resource_version: int
-    ) -> tuple[list[tuple[WatchEvent, dict | None]], int]:
+    ) -> tuple[builtins.list[tuple[WatchEvent, dict | None]], int]:
         """Events newer than ``resource_version`` (with each MODIFIED's previous object),
         and the global rv they were read at: a watch's next cursor even when none matched."""
         where, args = _scope(namespace)
@@ -602,7 +603,7 @@ class Store:
 
     def events_since(
         self, group: str, resource: str, namespace: str | None, resource_version: int
-    ) -> list[WatchEvent]:
+    ) -> builtins.list[WatchEvent]:
         """Events with rv > ``resource_version``, oldest first; Expired if already pruned."""
         return [ev for ev, _ in self._events_after(group, resource, namespace, resource_version)[0]]
 
