@@ -642,9 +642,9 @@ def chart(result: dict, path: Path) -> bool:
     values = [r["cpu_efficiency"][0] if r["scenario"] != "peer" else r["rps_ratio"][0]
               for r in rows]
     errs = [[v - (r["cpu_efficiency"][1] if r["scenario"] != "peer" else r["rps_ratio"][1])
-             for v, r in zip(values, rows)],
+             for v, r in zip(values, rows, strict=True)],
             [(r["cpu_efficiency"][2] if r["scenario"] != "peer" else r["rps_ratio"][2]) - v
-             for v, r in zip(values, rows)]]
+             for v, r in zip(values, rows, strict=True)]]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar(labels, values, yerr=errs, color="#4a78b0", capsize=4)
     ax.axhline(1.0, color="#888", linewidth=1)

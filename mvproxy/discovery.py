@@ -46,7 +46,7 @@ import heapq
 import json
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 from .errors import MvproxyError
 
@@ -346,7 +346,7 @@ def _precedence(lists: Sequence[Sequence[str]]) -> tuple[dict[str, set[str]], di
         for item in items:
             after.setdefault(item, set())
             indegree.setdefault(item, 0)
-        for earlier, later in zip(items, items[1:]):
+        for earlier, later in zip(items, items[1:], strict=False):  # neighbours
             if later not in after[earlier]:
                 after[earlier].add(later)
                 indegree[later] += 1
@@ -455,7 +455,7 @@ def _group_with_freshness(group: dict, current: Collection[tuple[str, str]]) -> 
     name = group_name(group)
     versions = _versions(group)
     marked = [_version_with_freshness(v, (name, v["version"]) in current) for v in versions]
-    if all(m is v for m, v in zip(marked, versions)):
+    if all(m is v for m, v in zip(marked, versions, strict=True)):
         return group
     return {**group, "versions": marked}
 
@@ -520,7 +520,7 @@ def _legacy_group(group: Mapping) -> dict:
     name = group_name(group)
     versions = _versions(group)
     refs = [_version_ref(name, v["version"]) for v in versions]
-    fresh = [ref for ref, v in zip(refs, versions) if not _is_stale(v)]
+    fresh = [ref for ref, v in zip(refs, versions, strict=True) if not _is_stale(v)]
     return {"name": name, "versions": refs, "preferredVersion": (fresh or refs)[0]}
 
 

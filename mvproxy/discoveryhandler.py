@@ -36,7 +36,7 @@ from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
-from mvproxy.logs import kv, throttled
+from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Transport, Upstream

@@ -105,7 +105,7 @@ class DNSMembership:
             self._reject("*", "too_many", f"{len(addresses)} addresses, using {MAX_ADDRESSES}")
             addresses = addresses[:MAX_ADDRESSES]
         learned = await asyncio.gather(*(self._probe(a) for a in addresses))
-        ids = {a: sid for a, sid in zip(addresses, learned) if sid is not None}
+        ids = {a: sid for a, sid in zip(addresses, learned, strict=True) if sid is not None}
         self._ids = ids
         peers = tuple(sorted({Peer(sid, _url(a, self.port), "dns") for a, sid in ids.items()},
                              key=lambda p: (p.server_id, p.url)))

@@ -227,7 +227,7 @@ class Poller:
         """
         if all(result is None for result in results) and state.snapshot is not None:
             return state.snapshot
-        for path, result in zip(PATHS, results):
+        for path, result in zip(PATHS, results, strict=True):
             if result is not None:
                 state.groups[path], state.etags[path] = result
         state.snapshot = Snapshot(core=state.groups["/api"], groups=state.groups["/apis"])

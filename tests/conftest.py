@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# Fixture modules shared by several test modules (``root``, ``backend``, the simulator's
+# ``client``): registered here, so modules need not import fixtures they never call.
+pytest_plugins = ("daemon_support", "process_support", "sim_support")
+
 # --------------------------------------------------------------------------- kubectl
 # A real kubectl (pinned, downloaded once into <repo>/.tools; see tests/kubectl.py).
 

@@ -19,7 +19,7 @@ import logging
 import aiohttp
 import pytest
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PEER_ID,
     PODGROUPS,
     PODGROUPS_GVR,
@@ -28,7 +28,6 @@ from daemon_support import (  # root: the module's PKI fixture
     cluster,
     header,
     backend_synced,
-    root,  # noqa: F401
     synced,
 )
 

@@ -13,11 +13,10 @@ import json
 import uuid
 
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     Cluster,
     cluster,
     ready,
-    root,  # noqa: F401
 )
 
 WIDGETS, GADGETS, NOTHING = "widgets.example.com", "gadgets.example.com", "nothing.example.com"

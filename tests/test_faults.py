@@ -38,14 +38,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PEER_ID,
     PODGROUPS,
     WAIT,
     Cluster,
     cluster,
     fake_server,
-    root,  # noqa: F401
     synced,
 )
 from reliability import record

@@ -366,7 +366,7 @@ async def test_response_is_streamed_part_by_part(chain, downstream_client):
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        for part, done in zip(parts, read):
+        for part, done in zip(parts, read, strict=True):
             await response.write(part)
             await asyncio.wait_for(done.wait(), WAIT)  # the downstream has it before the next
         await response.write_eof()
@@ -377,7 +377,7 @@ async def test_response_is_streamed_part_by_part(chain, downstream_client):
         async with downstream_client.get(f"{base}/apis/x/v1/things?watch=1") as resp:
             assert resp.status == 200
             assert resp.headers["Transfer-Encoding"] == "chunked"
-            for part, done in zip(parts, read):
+            for part, done in zip(parts, read, strict=True):
                 assert await asyncio.wait_for(resp.content.readline(), WAIT) == part
                 done.set()
             assert await asyncio.wait_for(resp.content.read(), WAIT) == b""

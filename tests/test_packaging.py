@@ -87,7 +87,7 @@ def test_the_lock_pins_every_runtime_dependency_with_hashes():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lock = _lock()
-    for name, (version, hashes) in lock.items():
+    for name, (_, hashes) in lock.items():
         assert hashes, f"{name} has no --hash in requirements.lock"
     for text in project["dependencies"]:
         requirement = Requirement(text)

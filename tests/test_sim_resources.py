@@ -34,19 +34,6 @@ def deployment(name, replicas=1):
                                   "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}}
 
 
-@pytest.fixture
-def store_path(tmp_path):
-    return tmp_path / "store.db"
-
-
-@pytest.fixture
-async def client(aiohttp_client, store_path):
-    with Store(store_path, event_retention=50) as store:
-        app = build_app(catalog=load_catalog("1.36"), store=store, server_id="sim-a",
-                        bookmark_interval=0.1)
-        yield await aiohttp_client(app)
-
-
 async def call(client, method, path, body=None, *, status=200, ctype="application/json",
                accept=None):
     headers = {"Accept": accept} if accept else {}

@@ -14,7 +14,7 @@ import resource
 
 from aiohttp import web
 
-from test_app import cluster, root, synced  # noqa: F401 - root is a fixture
+from test_app import cluster, synced
 
 BODY = 192 * 1024 * 1024
 CHUNK = 256 * 1024

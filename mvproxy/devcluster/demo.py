@@ -541,7 +541,7 @@ def start_cluster(
     store = root / "store.db"
     logs = root / "logs"
     servers: list[ServerInfo] = []
-    for index, (sid, version, triple) in enumerate(zip(ids, versions, ports)):
+    for index, (sid, version, triple) in enumerate(zip(ids, versions, ports, strict=True)):
         sub = root / sid
         sub.mkdir(exist_ok=True)
         config = sub / "mvproxy.yaml"

@@ -138,7 +138,7 @@ class ResourceAPI:
         try:
             await self._run(self.store.get, Key("", "namespaces", "", t.namespace))
         except NotFound:
-            raise RequestError(apistatus.object_not_found("", "namespaces", t.namespace))
+            raise RequestError(apistatus.object_not_found("", "namespaces", t.namespace)) from None
 
     async def _update(self, request: web.Request, t: Target) -> web.Response:
         obj = check_object(t, await read_body(request))
