@@ -143,7 +143,8 @@ def discovery(core: bool, podgroups: bool) -> bytes:
     if core:
         items = [{"metadata": {}, "versions": [{"version": "v1", "freshness": "Current",
                                                 "resources": [resource("configmaps", "ConfigMap"),
-                                                              resource("namespaces", "Namespace")]}]}]
+                                                              resource("namespaces",
+                                                                       "Namespace")]}]}]
     else:
         items = [{"metadata": {"name": "apps"}, "versions": [
             {"version": "v1", "freshness": "Current",
@@ -394,7 +395,8 @@ class Bench:
                               preexec_fn=pin(LOAD_CPU), timeout=seconds + 60)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
-            raise SystemExit(f"bench: wrk failed on {url}: {done.stdout[-500:]} {done.stderr[-500:]}")
+            raise SystemExit(f"bench: wrk failed on {url}: "
+                             f"{done.stdout[-500:]} {done.stderr[-500:]}")
         return json.loads(lines[-1])
 
     def measure(self, scenario: str, target: str, round_: int, url: str, pids: list[int],
@@ -587,16 +589,19 @@ def summarize(runs: list[Run], soak: dict, profile: list[str], libraries: list[s
             })
     return {"rows": rows, "runs": [r.__dict__ for r in runs],
             "soak": soak,
-            "profile_top": profile, "profile_libraries": libraries, "when": time.strftime("%Y-%m-%d %H:%M"),
+            "profile_top": profile, "profile_libraries": libraries,
+            "when": time.strftime("%Y-%m-%d %H:%M"),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
 
 
 TARGETS = [
     ("small", "mvproxy", "cpu_efficiency", 0.5, "local small GET, CPU efficiency × nginx ≥ 0.5"),
-    ("large", "mvproxy", "cpu_efficiency", 0.85, "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
+    ("large", "mvproxy", "cpu_efficiency", 0.85,
+     "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
     ("handshake", "mvproxy", "cpu_efficiency", 0.8, "mTLS handshake per request, × nginx ≥ 0.8"),
     ("peer", "mvproxy peer", "rps_ratio", 0.5, "peer route req/s ≥ 0.5 × local route"),
-    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5, "merged /apis, × nginx serving the file ≥ 0.5"),
+    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5,
+     "merged /apis, × nginx serving the file ≥ 0.5"),
 ]
 
 

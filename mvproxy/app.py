@@ -283,7 +283,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
         if dns_task is not None:
             dns_task.cancel()
             await asyncio.gather(dns_task, return_exceptions=True)
-        if leases is not None and lease_task is not None:  # first: peers stop routing here while we drain
+        # Leases first: peers stop routing here while we drain.
+        if leases is not None and lease_task is not None:
             lease_task.cancel()
             await asyncio.gather(lease_task, return_exceptions=True)
             if leases.hold:

@@ -918,7 +918,8 @@ class Listener:
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BATCH):
             if self.open_connections >= self.limits.max_connections:
-                self._starved("the connection limit", f"maxConnections={self.limits.max_connections}")
+                self._starved("the connection limit",
+                              f"maxConnections={self.limits.max_connections}")
                 self._pause_accepting()
                 return
             try:

@@ -365,5 +365,6 @@ def check(demo, load: Load, ctx: ssl.SSLContext) -> None:
     record(SUITE, "under load: acknowledged creates", len(load.created),
            "each exists exactly once; no 409 (nothing applied twice)")
     record(SUITE, "under load: watches through peers", len(load.watch_ends),
-           f"ended and re-established, longest {max((s for _, s in load.watch_ends), default=0):.1f}s; "
+           "ended and re-established, "
+           f"longest {max((s for _, s in load.watch_ends), default=0):.1f}s; "
            f"slowest request {slowest:.1f}s (bound {REQUEST_BOUND:.0f}s)")

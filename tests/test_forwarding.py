@@ -344,8 +344,8 @@ def chain(aiohttp_server, root, transport, listen):
                 require_client_cert=True))
             upstream_url = f"https://127.0.0.1:{up_server.port}"
         up = Upstream("apiserver-b", upstream_url, pki.client_context(
-            root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
-            is_peer=True)
+            root / "ca.crt", root / "a" / "front-proxy-client.crt",
+            root / "a" / "front-proxy-client.key"), is_peer=True)
         port = await listen(proxy_handler(transport, up, **proxy_kw), pki.server_context(
             root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
         return f"https://127.0.0.1:{port}"
@@ -534,8 +534,8 @@ async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_t
         root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
         require_client_cert=True))
     up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", pki.client_context(
-        root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
-        is_peer=True)
+        root / "ca.crt", root / "a" / "front-proxy-client.crt",
+        root / "a" / "front-proxy-client.key"), is_peer=True)
     port = await listen(proxy_handler(short_transport, up, long_running=False),
                         pki.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
     try:

@@ -94,7 +94,8 @@ async def test_cluster_scoped_resources(client):
 
 
 async def test_system_namespaces_exist_and_namespaces_work(client):
-    names = [n["metadata"]["name"] for n in (await call(client, "GET", "/api/v1/namespaces"))["items"]]
+    names = [n["metadata"]["name"] for n in (await call(client, "GET",
+                                                        "/api/v1/namespaces"))["items"]]
     assert {"default", "kube-system", "kube-public"} <= set(names)
     ns = await call(client, "POST", "/api/v1/namespaces",
                     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team"}},

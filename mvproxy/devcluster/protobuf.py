@@ -1,7 +1,8 @@
 """Decode the Kubernetes protobuf request bodies that kubectl sends.
 
 ``kubectl create namespace|configmap|secret|deployment|serviceaccount`` and ``kubectl
-auth can-i|whoami`` (1.3x) POST built-in objects as ``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
+auth can-i|whoami`` (1.3x) POST built-in objects as
+``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
 a ``runtime.Unknown`` envelope (TypeMeta, raw message bytes). Without schemas the raw
 bytes are only numbered fields, so this module carries hand-written field maps for
 those kinds (just the fields those commands set, plus the common metadata). Fields

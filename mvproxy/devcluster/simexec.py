@@ -105,7 +105,8 @@ def _precheck(request: web.Request, info: RequestInfo) -> str | None:
         return "Upgrade request required"
     if is_spdy(request):
         if spdy_protocol(request, SPDY_PROTOCOLS) is None:
-            return f"unable to upgrade: no supported stream protocol (supports {list(SPDY_PROTOCOLS)})"
+            return ("unable to upgrade: no supported stream protocol "
+                    f"(supports {list(SPDY_PROTOCOLS)})")
     elif not _is_websocket(request):
         return ("only WebSocket and SPDY/3.1 upgrades are supported (subprotocols: "
                 + ", ".join(PROTOCOLS) + ")")
