@@ -85,7 +85,7 @@ def ensure_tools() -> None:
 
 def ensure_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - only whether it imports
         return True
     except ImportError:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"],

@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import unquote
 
 import httptools
@@ -420,7 +421,7 @@ class DownstreamConnection(FlowControl):
     # ---------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # TCP or TLS: a Transport
         peer = transport.get_extra_info("peername")
         self.client_address = peer[0] if isinstance(peer, tuple) else ""
         self.raw_client_address = self.client_address.encode("ascii", "replace")
@@ -923,7 +924,7 @@ class Listener:
                 self._pause_accepting()
                 return
             try:
-                sock, _ = self._socket.accept()  # type: ignore[union-attr]
+                sock, _ = self._socket.accept()  # type: ignore[union-attr]  # read while open
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

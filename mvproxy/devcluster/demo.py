@@ -398,7 +398,7 @@ def running_pids(directory: StrPath) -> list[int]:
             for part in ("proxy", "backend"):
                 if isinstance(server.get(part), dict):
                     pids.append(server[part].get("pid"))
-    return [p for p in pids if _pid_alive(p)]  # type: ignore[misc]
+    return [p for p in pids if isinstance(p, int) and _pid_alive(p)]
 
 
 # --------------------------------------------------------------------------- files

@@ -166,9 +166,11 @@ def _label_requirement(req: str) -> Callable[[dict[str, str]], bool]:
 
 def _int_compare(label: str | None, op: str, bound: int) -> bool:
     """``gt``/``lt`` match only labels that parse as integers, as in apimachinery."""
+    if label is None:
+        return False
     try:
-        n = int(label)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        n = int(label)
+    except ValueError:
         return False
     return n > bound if op == ">" else n < bound
 
