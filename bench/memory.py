@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mvproxy import pki
+from mvproxy import devpki
 
 HERE = Path(__file__).resolve().parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -135,7 +135,7 @@ async def open_idle(port: int, ctx: ssl.SSLContext, path: str, count: int):
 def measure(args: argparse.Namespace, root: Path) -> dict:
     """Start a backend and mvproxy, measure them (``_measure``), stop them. Starting and
     stopping processes blocks, so it happens here, outside the event loop."""
-    pki.init_pki(root / "pki", ["a"], days=2)
+    devpki.init_pki(root / "pki", ["a"], days=2)
     p = root / "pki"
     backend_port, port, admin = free_port(), free_port(), free_port()
     config = {

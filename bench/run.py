@@ -432,13 +432,13 @@ PATHS = {"small": CM_PATH, "large": LIST_PATH, "handshake": CM_PATH, "discovery"
 
 def run_all(args: argparse.Namespace, work: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from mvproxy import pki as pki_mod
+    from mvproxy import devpki
 
     ensure_tools()
     work.chmod(0o755)  # nginx's workers drop to an unprivileged user and read the files
     shim = build_shim(work)
     pki = work / "pki"
-    pki_mod.init_pki(pki, ["a"], days=2)
+    devpki.init_pki(pki, ["a"], days=2)
     roots = write_roots(work)
     ports = {k: free_port() for k in ("a", "b", "static", "nginx", "mva", "mvb", "admina",
                                       "adminb")}

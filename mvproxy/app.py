@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from mvproxy import pki, reload
+from mvproxy import reload
 from mvproxy.admin import build_admin_app
 from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.cache import DiscoveryCache
@@ -43,6 +43,7 @@ from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembe
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings
 from mvproxy.status import Sources, membership_sources
+from mvproxy.tls import SwappableContext
 from mvproxy.transport import Transport, Upstream
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Daemon:
     """The completed parts of one mvproxy; built once, then only run."""
 
     config: Config
-    listener_ssl: pki.SwappableContext
+    listener_ssl: SwappableContext
     metrics: Metrics
     cache: DiscoveryCache
     transport: Transport
@@ -68,7 +69,7 @@ class Daemon:
     certificates: CertificateReloader
     """Re-reads changed certificate files every ``certificates.reloadInterval``."""
     membership: StaticMembership
-    peer_ssl: pki.SwappableContext | None
+    peer_ssl: SwappableContext | None
     """Client context toward peers (None: started without peer TLS material)."""
     peer_sources: Sources | None = None
     """Where membership learnt of each peer, for the admin status endpoints."""
@@ -83,7 +84,7 @@ NAMED_SOURCES = frozenset(("lease", "dns"))
 certificate: anyone allowed to write a Lease (or a DNS record) chose their address."""
 
 
-def _peer_upstreams(membership: Membership, peer_ssl: pki.SwappableContext | None
+def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None
                     ) -> Callable[[], Mapping[str, Upstream]]:
     """A function giving the current peers as Upstreams, rebuilt only when they change.
 
@@ -171,7 +172,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
 
 
 def _dns_membership(cfg: Config, metrics: Metrics, on_change,
-                    peer_ssl: pki.SwappableContext | None) -> DNSMembership | None:
+                    peer_ssl: SwappableContext | None) -> DNSMembership | None:
     dns = cfg.membership.dns
     if dns.name is None or peer_ssl is None:
         return None
@@ -181,7 +182,7 @@ def _dns_membership(cfg: Config, metrics: Metrics, on_change,
 
 
 def _lease_membership(cfg: Config, metrics: Metrics, on_change,
-                      backend_ssl: pki.SwappableContext) -> LeaseMembership | None:
+                      backend_ssl: SwappableContext) -> LeaseMembership | None:
     """Lease membership talks to the backend as a front proxy (README "Membership"),
     with the backend client certificate in use now (it rotates with the others)."""
     leases = cfg.membership.leases

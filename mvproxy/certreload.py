@@ -7,7 +7,7 @@ CAs), the backend (client pair and CA; the certificate-less twin too) and peers
 (a hash, so Kubernetes' symlink swap of a mounted Secret, an in-place rewrite and a
 rename all count). New material is used only if it passes the start-up checks of
 ``preflight`` for its settings and builds into SSL contexts; it then replaces the
-contexts as whole objects (``pki.SwappableContext``): new connections use it, open
+contexts as whole objects (``tls.SwappableContext``): new connections use it, open
 ones finish with what they had. Anything else is logged once per broken version,
 counted by role, and the loaded material stays.
 
@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 
 from cryptography import x509
 
-from mvproxy import pki, preflight
+from mvproxy import preflight, tls
 from mvproxy.config import Config
 from mvproxy.errors import PKIError, Problem
 from mvproxy.identity import IdentityResolver
@@ -221,7 +221,7 @@ def _bundle(role: str, path: str | None) -> tuple[tuple[x509.Certificate, ...],
     if not path:
         return (), ()
     try:
-        cas = pki.load_ca_bundle(path, "CA file")
+        cas = tls.load_ca_bundle(path, "CA file")
     except PKIError as exc:
         raise _RoleError(role, str(exc)) from exc
     entries = sorted(((role, i, ca.not_valid_after_utc.timestamp()) for i, ca in enumerate(cas)),
@@ -232,7 +232,7 @@ def _bundle(role: str, path: str | None) -> tuple[tuple[x509.Certificate, ...],
 def listener_context(cfg: Config) -> ssl.SSLContext:
     """Serving context; client certificates optional, verified by the client CA or the
     peer client CA if sent (``identity`` then tells which one issued it)."""
-    ctx = pki.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
+    ctx = tls.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
     peer_ca = cfg.peer.client_ca_file
     if peer_ca and peer_ca != cfg.client_ca_file:
         try:
@@ -249,7 +249,7 @@ class DaemonTLS:
 
     def __init__(self, cfg: Config, identity: IdentityResolver,
                  on_refused: Callable[[str], None] | None = None):
-        self._contexts: dict[str, pki.SwappableContext] = {}
+        self._contexts: dict[str, tls.SwappableContext] = {}
         units = [self._listener_unit(cfg, identity), self._backend_unit(cfg)]
         if cfg.peers or cfg.peer.cert_file:
             units.append(self._peer_unit(cfg))
@@ -260,19 +260,19 @@ class DaemonTLS:
 
     # load() above built every unit's context or raised: the first three always exist.
     @property
-    def listener(self) -> pki.SwappableContext:
+    def listener(self) -> tls.SwappableContext:
         return self._contexts["listener"]
 
     @property
-    def backend(self) -> pki.SwappableContext:
+    def backend(self) -> tls.SwappableContext:
         return self._contexts["backend"]
 
     @property
-    def backend_anonymous(self) -> pki.SwappableContext:
+    def backend_anonymous(self) -> tls.SwappableContext:
         return self._contexts["backend-anonymous"]
 
     @property
-    def peer(self) -> pki.SwappableContext | None:
+    def peer(self) -> tls.SwappableContext | None:
         """None: started without peer TLS material (no peers configured)."""
         return self._contexts.get("peer")
 
@@ -280,7 +280,7 @@ class DaemonTLS:
         """The first load makes the holder; later ones replace what it holds."""
         holder = self._contexts.get(name)
         if holder is None:
-            self._contexts[name] = pki.SwappableContext(ctx)
+            self._contexts[name] = tls.SwappableContext(ctx)
         else:
             holder.context = ctx
 
@@ -306,8 +306,8 @@ class DaemonTLS:
         def build() -> Material:
             leaf = (_leaf_expiry("backend-client", b.cert_file),) if b.cert_file else ()
             _, ca_exp = _bundle("backend-ca", b.ca_file)
-            ctx = pki.client_context(b.ca_file, b.cert_file, b.key_file)
-            anonymous = pki.client_context(b.ca_file)
+            ctx = tls.client_context(b.ca_file, b.cert_file, b.key_file)
+            anonymous = tls.client_context(b.ca_file)
 
             def apply() -> None:
                 self._swap("backend", ctx)
@@ -323,7 +323,7 @@ class DaemonTLS:
         def build() -> Material:
             leaf = (_leaf_expiry("peer-client", p.cert_file),) if p.cert_file else ()
             _, ca_exp = _bundle("peer-ca", p.ca_file)
-            ctx = pki.client_context(p.ca_file, p.cert_file, p.key_file)
+            ctx = tls.client_context(p.ca_file, p.cert_file, p.key_file)
 
             def apply() -> None:
                 self._swap("peer", ctx)

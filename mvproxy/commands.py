@@ -14,10 +14,10 @@ from mvproxy.errors import MvproxyError, UsageError
 
 
 def certs_init(args: argparse.Namespace) -> int:
-    from mvproxy import pki
+    from mvproxy import devpki
 
-    written = pki.init_pki(args.directory, args.server_ids, hosts=args.hosts,
-                           days=args.days, force=args.force)
+    written = devpki.init_pki(args.directory, args.server_ids, hosts=args.hosts,
+                              days=args.days, force=args.force)
     print(f"wrote {len(written)} files to {args.directory}")
     return 0
 
@@ -25,7 +25,7 @@ def certs_init(args: argparse.Namespace) -> int:
 def load_checked_config(path: str | None, overrides: dict[str, object]):
     """Load, validate and check the certificate material of a configuration."""
     from mvproxy import preflight
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
 
     cfg = load_config(path, overrides)
     return preflight.check(cfg, path or "<flags>")
@@ -48,12 +48,6 @@ def check_config(path: str, overrides: dict[str, object], *, manifest: str | Non
     print(f"{path}: configuration is valid (serverID {cfg.server_id!r}, "
           f"{len(cfg.peers)} static peer{'s' if len(cfg.peers) != 1 else ''}{dynamic})")
     return 0
-
-
-class NotBuiltYet(MvproxyError):
-    """A subcommand whose implementation has not landed yet."""
-
-    exit_code = 3
 
 
 def run(path: str | None, overrides: dict[str, object]) -> int:

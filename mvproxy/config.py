@@ -10,7 +10,9 @@ This module owns parsing and validation only. It reports every problem at once, 
 YAML path, in one ``ConfigError``. It must not do I/O beyond reading the file and
 checking that the files it names exist and are readable, and it never builds SSL
 contexts, sockets or loggers: that is the job of the modules that *complete* the
-config (``pki``, ``app``). Runtime code never re-reads YAML.
+config (``tls``, ``app``). Reading and parsing the YAML file is ``configfile``'s job,
+so this model (imported on the request path) never imports PyYAML; runtime code never
+re-reads YAML.
 
 Durations are written as Go-style strings (``5s``, ``1m30s``, ``500ms``) and stored
 as float seconds. File paths are stored absolute: paths from the file are relative
@@ -28,8 +30,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
-
-import yaml
 
 from mvproxy.errors import ConfigError, Problem
 
@@ -123,7 +123,7 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _describe(value: object) -> str:
+def describe(value: object) -> str:
     """Name a bad value for a message: scalars by repr, containers by kind (they can be huge)."""
     if isinstance(value, dict):
         return "a mapping"
@@ -142,7 +142,7 @@ def _run(parse: Parser, value: object, path: str, ctx: _Context) -> Any:
 
 def _string(value: object, path: str, ctx: _Context) -> str:
     if not isinstance(value, str) or not value:
-        raise _Invalid(f"must be a non-empty string, got {_describe(value)}")
+        raise _Invalid(f"must be a non-empty string, got {describe(value)}")
     return value
 
 
@@ -201,7 +201,7 @@ def _readable_file(value: object, path: str, ctx: _Context) -> str:
 def _integer(low: int, high: int | None = None) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> int:
         if type(value) is not int:  # not isinstance: YAML's `true` must not pass as 1
-            raise _Invalid(f"must be an integer, got {_describe(value)}")
+            raise _Invalid(f"must be an integer, got {describe(value)}")
         if value < low or (high is not None and value > high):
             bounds = f"between {low} and {high}" if high is not None else f">= {low}"
             raise _Invalid(f"must be {bounds}, got {value!r}")
@@ -214,7 +214,7 @@ def _duration(*, allow_zero: bool = False) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> float:
         if not isinstance(value, str):
             raise _Invalid(f"must be a duration with a unit, {_DURATION_EXAMPLES}, "
-                           f"got {_describe(value)}")
+                           f"got {describe(value)}")
         try:
             seconds = parse_duration(value)
         except ValueError as error:
@@ -228,7 +228,7 @@ def _duration(*, allow_zero: bool = False) -> Parser:
 
 def _boolean(value: object, path: str, ctx: _Context) -> bool:
     if not isinstance(value, bool):  # 1 or the string "true" is a mistake, not a yes
-        raise _Invalid(f"must be true or false, got {_describe(value)}")
+        raise _Invalid(f"must be true or false, got {describe(value)}")
     return value
 
 
@@ -236,7 +236,7 @@ def _choice(*options: str) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> str:
         if value not in options:
             raise _Invalid(f"must be one of {', '.join(map(repr, options))}, "
-                           f"got {_describe(value)}")
+                           f"got {describe(value)}")
         return value
 
     return parse
@@ -245,7 +245,7 @@ def _choice(*options: str) -> Parser:
 def _list_of(item: Parser, *, non_empty: bool = False) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> tuple[Any, ...]:
         if not isinstance(value, list):
-            raise _Invalid(f"must be a list, got {_describe(value)}")
+            raise _Invalid(f"must be a list, got {describe(value)}")
         if non_empty and not value:
             raise _Invalid("must not be empty")
         return tuple(_run(item, element, f"{path}[{index}]", ctx)
@@ -286,7 +286,7 @@ class _Section:
 
     def __call__(self, raw: object, path: str, ctx: _Context) -> Any:
         if not isinstance(raw, dict):
-            raise _Invalid(f"must be a mapping, got {_describe(raw)}")
+            raise _Invalid(f"must be a mapping, got {describe(raw)}")
         self._report_unknown_keys(raw, path, ctx)
         values = {f.name: self._parse_key(raw, key, f, _join(path, key), ctx)
                   for key, f in self.fields.items()}
@@ -713,72 +713,28 @@ _CONFIG = _Section(Config, ignore=("apiVersion", "kind"))
 # ---------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str] | None,
-                overrides: Mapping[str, object] | None = None) -> Config:
-    """Read, override, validate: the only way a ``Config`` should be made outside tests.
+def from_document(document: dict[Any, Any] | None, source: str | None,
+                  overrides: Mapping[str, object] | None = None) -> Config:
+    """Override, validate: a parsed configuration file becomes a ``Config``.
 
-    ``path`` None means no file (an empty document; apiVersion and kind implied).
+    ``document`` None means no file (an empty document; apiVersion and kind implied);
+    ``source`` is the file's path (relative paths in it are read from its directory).
     ``overrides`` maps dotted camelCase YAML paths (``backend.url``, ``peers.static``)
     to raw YAML-shaped values from flags; they win over the file, None values are skipped.
-    Raises ``ConfigError`` listing every problem; ``source`` is the path or ``<flags>``.
+    Raises ``ConfigError`` listing every problem; its source is the path or ``<flags>``.
     """
-    source = os.fspath(path) if path is not None else FLAGS_SOURCE
-    document = (_read_document(source) if path is not None
-                else {"apiVersion": API_VERSION, "kind": KIND})
+    if document is None:
+        source = None
+        document = {"apiVersion": API_VERSION, "kind": KIND}
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
-    file_dir = os.path.dirname(os.path.abspath(source)) if path is not None else None
+    file_dir = os.path.dirname(os.path.abspath(source)) if source is not None else None
     ctx = _Context(file_dir=file_dir, override_keys=tuple(flags))
     _apply_overrides(document, flags, ctx)
     _check_header(document, ctx)
     config = _run(_CONFIG, document, "", ctx)
     if ctx.problems:
-        raise ConfigError(source, ctx.problems)
+        raise ConfigError(source if source is not None else FLAGS_SOURCE, ctx.problems)
     return config
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (as Kubernetes' strict decoding does):
-    with plain PyYAML the last one silently wins, hiding a half-edited file."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float, bool)):
-                continue  # unhashable keys are reported later as unknown keys
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _read_document(source: str) -> dict[Any, Any]:
-    try:
-        with open(source, "rb") as file:
-            data = file.read()
-    except OSError as error:
-        raise ConfigError(source, [Problem(
-            source, f"cannot read the configuration file: {error.strerror}")]) from None
-    try:
-        document = yaml.load(data, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as error:
-        raise ConfigError(source, [Problem(source, _describe_yaml_error(error))]) from None
-    if not isinstance(document, dict):
-        got = "an empty document" if document is None else _describe(document)
-        raise ConfigError(source, [Problem(source, f"must be a YAML mapping, got {got}")])
-    return document
-
-
-def _describe_yaml_error(error: yaml.YAMLError) -> str:
-    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
-        return f"invalid YAML: {error}"
-    mark = error.problem_mark
-    context = f" ({error.context})" if error.context else ""
-    return (f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: "
-            f"{error.problem}{context}")
 
 
 def _apply_overrides(document: dict[Any, Any], flags: Mapping[str, object], ctx: _Context) -> None:
@@ -810,4 +766,4 @@ def _check_header(document: dict[Any, Any], ctx: _Context) -> None:
         if value is None:
             ctx.add(key, f"required (must be {expected!r})")
         elif value != expected:
-            ctx.add(key, f"must be {expected!r}, got {_describe(value)}")
+            ctx.add(key, f"must be {expected!r}, got {describe(value)}")

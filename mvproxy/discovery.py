@@ -48,6 +48,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
+from .accept import parse_accept
 from .errors import MvproxyError
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Negotiated",
     "PEER_ACCEPT",
     "Snapshot",
+    "check_prefix",
     "etag",
     "group_name",
     "merge",
@@ -71,7 +73,6 @@ __all__ = [
     "render_api_group",
     "render_api_group_list",
     "render_api_versions",
-    "snapshot_from_documents",
 ]
 
 API_VERSION_V2 = "apidiscovery.k8s.io/v2"
@@ -315,26 +316,14 @@ class Snapshot:
         return (group, version) in self.group_versions
 
 
-def snapshot_from_documents(api_body: bytes, apis_body: bytes, *, max_bytes: int) -> Snapshot:
-    """A server's Snapshot from its aggregated ``/api`` and ``/apis`` bodies.
-
-    ``/api`` may hold only the core group and ``/apis`` only named groups, as on every
-    real kube-apiserver; anything else means the documents were mixed up.
-    """
-    core = _prefixed("/api", api_body, max_bytes)
-    groups = _prefixed("/apis", apis_body, max_bytes)
-    if any(group_name(g) for g in core):
-        _fail("/api", "lists a named group; only the core group \"\" belongs there")
-    if any(not group_name(g) for g in groups):
-        _fail("/apis", "lists the core group \"\"; it belongs in /api")
-    return Snapshot(core, groups)
-
-
-def _prefixed(path: str, body: bytes, max_bytes: int) -> tuple[dict, ...]:
-    try:
-        return parse_aggregated(body, max_bytes=max_bytes)
-    except DiscoveryFormatError as exc:
-        raise DiscoveryFormatError(f"{path} {exc}") from None
+def check_prefix(path: str, groups: tuple[dict, ...]) -> None:
+    """``/api`` holds only the core group and ``/apis`` only named groups, as on every
+    real kube-apiserver: anything else means the documents were mixed up."""
+    core = path == "/api"
+    for group in groups:
+        if (group_name(group) == "") != core:
+            raise DiscoveryFormatError(
+                f"GET {path}: group {group_name(group)!r} does not belong there")
 
 
 # --------------------------------------------------------------------------- ordering
@@ -579,34 +568,6 @@ _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 
-def _quality(text: str) -> float:
-    # As Go's goautoneg: an unparsable q is 0, which excludes the clause.
-    try:
-        q = float(text)
-    except ValueError:
-        return 0.0
-    return q if q == q else 0.0  # NaN
-
-
-def _clause(text: str) -> tuple[float, str, dict[str, str]]:
-    media_type, *raw_params = text.split(";")
-    params: dict[str, str] = {}
-    for raw in raw_params:
-        key, _, value = raw.partition("=")
-        params[key.strip().lower()] = value.strip().strip('"')
-    media_type = media_type.strip().lower()
-    # A bare "*" is how some clients write "*/*"; Go's goautoneg reads it so too.
-    return _quality(params.pop("q", "1")), "*/*" if media_type == "*" else media_type, params
-
-
-def _ranked_clauses(accept: str) -> list[tuple[str, dict[str, str]]]:
-    """Clauses by falling q, specific types before wildcards, otherwise as sent."""
-    clauses = [_clause(part) for part in accept.split(",") if part.strip()]
-    clauses = [c for c in clauses if c[0] > 0]
-    clauses.sort(key=lambda c: (-c[0], c[1].startswith("*/"), c[1].endswith("/*")))
-    return [(media_type, params) for _, media_type, params in clauses]
-
-
 def _aggregated_outcome(params: Mapping[str, str]) -> Negotiated | None:
     version = params.get("v", "")
     if (params["as"] != _LIST_KIND or params.get("g") != "apidiscovery.k8s.io"
@@ -661,8 +622,8 @@ def _negotiate(accept: str | None, aggregated: bool) -> Negotiated:
     """
     if accept is None or not accept.strip():
         return _LEGACY
-    for media_type, params in _ranked_clauses(accept):
-        outcome = _outcome(media_type, params, aggregated)
+    for clause in parse_accept(accept):
+        outcome = _outcome(clause.media_type, clause.params, aggregated)
         if outcome is not None:
             return outcome
     return _NOT_ACCEPTABLE

@@ -27,7 +27,7 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.logs import kv
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
-from mvproxy.pki import SwappableContext, current_context, peer_serving_problem
+from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,6 @@ class DNSMembership:
         self._peers: tuple[Peer, ...] = ()
         self._failing: str | None = None
         self._logged: set[tuple[str, str]] = set()
-        self.rounds = 0
-        """Completed rounds (tests wait on it instead of on time)."""
 
     def peers(self) -> tuple[Peer, ...]:
         return self._peers
@@ -96,7 +94,6 @@ class DNSMembership:
                 addresses = await self._resolve(self.name, self.port)
         except (OSError, TimeoutError, UnicodeError) as exc:
             self._error("resolve", f"cannot resolve {self.name}: {type(exc).__name__}")
-            self.rounds += 1
             return
         if self._failing:
             log.info("DNS membership works again", extra=kv(name=self.name))
@@ -112,7 +109,6 @@ class DNSMembership:
         if peers != self._peers:
             self._peers = peers
             self._on_change()
-        self.rounds += 1
 
     async def _probe(self, address: str) -> str | None:
         writer = None

@@ -39,10 +39,11 @@ from mvproxy.errors import (
     UpstreamUnreachable,
     UpstreamUnserved,
 )
-from mvproxy.identity import PEER_PROXIED, REMOTE_PREFIX, Downstream, identity_headers
+from mvproxy.identity import REMOTE_PREFIX, Downstream, identity_headers
 from mvproxy.listener import Exchange
 from mvproxy.logs import V, kv
 from mvproxy.transport import Pool, Transport, Upstream, UpstreamConnection
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ class _Names:
     dropped: frozenset
     underscore: str | bytes
     connection: str | bytes
-    comma: str | bytes
-    ows: str | bytes
     remote_prefix: str | bytes
     peer_proxied: str | bytes
     remote_user: str | bytes
@@ -99,10 +98,7 @@ def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, lis
         lowered = name.lower()
         if lowered in n.dropped or n.underscore in lowered:
             if lowered == n.connection:
-                # Only HTTP's whitespace: str.strip would also take \x85 and \xa0, and
-                # the text and bytes filters would then disagree.
-                tokens = (tokens or set()) | {t.strip(n.ows).lower()
-                                              for t in value.split(n.comma)}
+                tokens = (tokens or set()) | wire.connection_tokens(value)
             elif lowered == n.forwarded_for:
                 forwarded.append(value)
             elif lowered == n.host:
@@ -201,11 +197,11 @@ _SET_TO_PEER = ("x-forwarded-proto", "x-forwarded-host")
 """Set by mvproxy on the peer hop, as upstream's peer proxy sets them; a client's own
 values are replaced there, and pass through unchanged to the backend."""
 _REQUEST_DROPPED = HOP_BY_HOP | REFRAMED | {"x-forwarded-for"}
-_TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", ",", " \t", REMOTE_PREFIX,
+_TEXT = _Names(frozenset(_REQUEST_DROPPED), "_", "connection", REMOTE_PREFIX,
                PEER_PROXIED, "x-remote-user", "x-forwarded-for", "host",
                frozenset(_SET_TO_PEER))
-_RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connection", b",",
-              b" \t", REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user",
+_RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connection",
+              REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user",
               b"x-forwarded-for", b"host", frozenset(n.encode() for n in _SET_TO_PEER))
 RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
 UNSERVED_RAW = UNSERVED.encode()
@@ -213,7 +209,8 @@ UNSERVED_RAW = UNSERVED.encode()
 
 def response_headers(fields: wire.Fields) -> wire.Fields:
     """The upstream's fields minus hop-by-hop ones and its framing (each hop frames)."""
-    dropped = HOP_BY_HOP | wire.connection_tokens(fields) | {"content-length", UNSERVED}
+    named = {t for n, v in fields if n.lower() == "connection" for t in wire.connection_tokens(v)}
+    dropped = HOP_BY_HOP | named | {"content-length", UNSERVED}
     return [(n, v) for n, v in fields if n.lower() not in dropped]
 
 

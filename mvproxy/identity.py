@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 
 from cryptography import x509
 
-from mvproxy import pki
+from mvproxy import tls
+from mvproxy.errors import PKIError
 from mvproxy.logs import throttled
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 
-PEER_PROXIED = "x-kubernetes-peer-proxied"
 REMOTE_USER = "X-Remote-User"
 REMOTE_GROUP = "X-Remote-Group"
 REMOTE_PREFIX = "x-remote-"
@@ -104,9 +105,9 @@ class IdentityResolver:
 
     def __init__(self, *, client_ca_file: str | None, peer_client_ca_file: str | None,
                  peer_allowed_names: Iterable[str], memo_size: int = 1024):
-        self._client_cas = pki.load_ca_bundle(client_ca_file,
+        self._client_cas = tls.load_ca_bundle(client_ca_file,
                                               "client CA file") if client_ca_file else ()
-        self._peer_cas = (pki.load_ca_bundle(peer_client_ca_file, "peer client CA file")
+        self._peer_cas = (tls.load_ca_bundle(peer_client_ca_file, "peer client CA file")
                           if peer_client_ca_file else ())
         self._allowed = frozenset(peer_allowed_names)
         self._memo: OrderedDict[bytes, Downstream] = OrderedDict()
@@ -132,23 +133,23 @@ class IdentityResolver:
     def _classify(self, der: bytes) -> Downstream:
         try:
             cert = x509.load_der_x509_certificate(der)
-            names = pki.common_names(der)
-            cn, orgs = pki.subject_identity(der)
-        except (ValueError, pki.PKIError):
+            names = tls.common_names(der)
+            cn, orgs = tls.subject_identity(der)
+        except (ValueError, PKIError):
             # OpenSSL verified it but cryptography cannot parse it: trust nothing it
             # claims; its bearer token (if any) still reaches the backend unchanged.
             throttled.warning(log, "client certificate could not be parsed; treating the "
                                    "connection as anonymous")
             return ANONYMOUS_DOWNSTREAM
-        trusted = pki.issued_by_any(cert, self._peer_cas) or pki.issued_by_any(
+        trusted = tls.issued_by_any(cert, self._peer_cas) or tls.issued_by_any(
             cert, self._client_cas)
         if trusted and len(names) > 1:
             throttled.warning(log, "client certificate with several common names refused",
                               common_names=len(names))
             return AMBIGUOUS_DOWNSTREAM
-        if cn in self._allowed and pki.issued_by_any(cert, self._peer_cas):
+        if cn in self._allowed and tls.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
-        if cn and pki.issued_by_any(cert, self._client_cas):
+        if cn and tls.issued_by_any(cert, self._client_cas):
             return user_downstream(cn, orgs)
         return ANONYMOUS_DOWNSTREAM
 
@@ -164,8 +165,3 @@ def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:
         return []
     return [(REMOTE_USER, downstream.user), *((REMOTE_GROUP, g) for g in downstream.groups)]
 
-
-def is_identity_header(name: str) -> bool:
-    """Headers only a peer may send: ``X-Remote-*`` and the peer-proxied marker."""
-    lowered = name.lower()
-    return lowered.startswith(REMOTE_PREFIX) or lowered == PEER_PROXIED

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from mvproxy.pki import SwappableContext, current_context
+from mvproxy.tls import SwappableContext, current_context
 
 USER_PREFIX = "system:mvproxy:"
 GROUP = "system:mvproxies"

@@ -48,8 +48,8 @@ from mvproxy.flow import FlowControl
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
-from mvproxy.pki import SwappableContext, current_context
 from mvproxy.requestcheck import Refusal, check_request
+from mvproxy.tls import SwappableContext, current_context
 
 log = logging.getLogger(__name__)
 
@@ -706,16 +706,6 @@ class DownstreamConnection(FlowControl):
     @property
     def ended(self) -> bool:
         return self.closing
-
-    async def drain(self) -> None:
-        if self._write_paused and not self.closing:
-            waiter: asyncio.Future[None] = self.loop.create_future()
-
-            def wake() -> None:
-                if not waiter.done():
-                    waiter.set_result(None)
-            self._write_waiters.append(wake)
-            await waiter
 
     def switch(self, sink: Callable[[bytes], None]) -> None:
         """Raw mode: bytes go to ``sink`` from now on (a tunnel)."""

@@ -47,7 +47,7 @@ class CombinedMembership:
     """Several sources as one: the first source naming a server ID wins (static first),
     and a URL the operator listed is not taken again by a dynamic source. Dynamic
     sources may share a URL: which ID is true there is decided per connection by the
-    serving certificate (``pki.peer_serving_problem``), never by who sorted first, so a
+    serving certificate (``tls.peer_serving_problem``), never by who sorted first, so a
     Lease cannot push a real peer out by claiming its URL. This server's own ID is never
     a peer; neither are its own URLs (advertised, backend) when a dynamic source names
     them (a static peer is the operator's word)."""

@@ -38,10 +38,10 @@ from mvproxy.errors import (
     UpstreamTimeout,
     UpstreamUnresolved,
 )
-from mvproxy.identity import PEER_PROXIED
 from mvproxy.logs import kv
 from mvproxy.metrics import Metrics
 from mvproxy.transport import BodyTooLarge, Transport, Upstream
+from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Poller:
             raise UnexpectedStatus(state.upstream.name,
                                    f"GET {path} answered HTTP {fetched.status}")
         groups = discovery.parse_aggregated(fetched.body, max_bytes=self.settings.max_bytes)
-        _check_prefix(path, groups)
+        discovery.check_prefix(path, groups)
         return groups, fetched.headers.get("ETag", "")
 
     def _failed(self, server_id: str, state: _ServerPoll, errors: list[Exception]) -> None:
@@ -291,12 +291,3 @@ class Poller:
     def _reachable(self, server_id: str) -> bool:
         known = self.cache.state(server_id)
         return bool(known and known.reachable)
-
-
-def _check_prefix(path: str, groups: tuple[dict, ...]) -> None:
-    """``/api`` holds only the core group and ``/apis`` only named groups."""
-    core = path == "/api"
-    for group in groups:
-        if (discovery.group_name(group) == "") != core:
-            raise DiscoveryFormatError(
-                f"GET {path}: group {discovery.group_name(group)!r} does not belong there")

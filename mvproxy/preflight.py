@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from mvproxy import pki
+from mvproxy import tls
 from mvproxy.config import Config
 from mvproxy.errors import ConfigError, PKIError, Problem
 
@@ -41,7 +41,7 @@ def shared_ca_problems(cfg: Config) -> list[Problem]:
     if not peer_ca or not client_ca or cfg.peer.insecure_shared_ca:
         return []
     try:
-        shared = pki.shared_cas(peer_ca, client_ca)
+        shared = tls.shared_cas(peer_ca, client_ca)
     except PKIError:
         return []  # unreadable bundles are reported by material_problems
     if not shared:
@@ -63,11 +63,11 @@ def material_problems(cfg: Config, only: Collection[str] | None = None) -> list[
     problems: list[Problem] = []
     for path, cert, key, ca in _pairs(cfg):
         if cert and wanted(path):
-            found = pki.check_certificate(cert, key_file=key, ca_file=ca)
+            found = tls.check_certificate(cert, key_file=key, ca_file=ca)
             problems += [Problem(path, f"{p.path}: {p.message}") for p in found]
     for path, ca in _cas(cfg):
         if ca and wanted(path):
-            found = pki.check_certificate(ca)
+            found = tls.check_certificate(ca)
             problems += [Problem(path, f"{p.path}: {p.message}") for p in found]
     return problems + (shared_ca_problems(cfg) if wanted("peer.clientCAFile") else [])
 

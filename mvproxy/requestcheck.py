@@ -18,7 +18,7 @@ not forward exactly as kube-apiserver would read it is refused here, before rout
 
 Header names with an underscore are dropped, not refused, as nginx does by default:
 some servers treat ``X_Remote_User`` as ``X-Remote-User``, and mvproxy's identity
-rules must see every name the backend might act on (``header_name_forwarded``).
+rules must see every name the backend might act on (``forwarding``'s header filter).
 """
 
 from __future__ import annotations
@@ -66,7 +66,3 @@ def target_problem(target: str) -> str:
         return "the request target contains a control character, a space or a '#'"
     return ""
 
-
-def header_name_forwarded(name: str) -> bool:
-    """False for names mvproxy drops: those with an underscore (see module docstring)."""
-    return "_" not in name

@@ -47,8 +47,8 @@ from mvproxy.errors import (
     UpstreamUnresolved,
 )
 from mvproxy.flow import FlowControl
-from mvproxy.pki import SwappableContext, current_context, peer_serving_problem
 from mvproxy.requestcheck import target_problem
+from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Upstream:
     """False for the ``anonymous`` twin (it also keeps the two pools apart)."""
     must_name_itself: bool = False
     """A peer found through a Lease or DNS: its serving certificate must carry its
-    server ID (``pki.peer_serving_problem``); checked once per new connection."""
+    server ID (``tls.peer_serving_problem``); checked once per new connection."""
 
     def for_headers(self, headers: Mapping[str, str]) -> Upstream:
         """The connection flavour for a request with these upstream headers."""

@@ -10,6 +10,7 @@ header), can start a header or a request of its own.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import AnyStr
 
 Fields = list[tuple[str, str]]
 """Header fields in order, names as received (HTTP names are case-insensitive)."""
@@ -23,7 +24,9 @@ HOP_BY_HOP = frozenset((
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
     "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
 ))
-FRAMING = frozenset(("content-length", "transfer-encoding"))
+PEER_PROXIED = "x-kubernetes-peer-proxied"
+"""kube-apiserver's mark on a request one server sent to a peer: the peer answers from
+its own backend. Set by forwarding and by the discovery poller, read by identity."""
 HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
 
 LAST_CHUNK = b"0\r\n\r\n"
@@ -53,22 +56,23 @@ def reason_phrase(status: int) -> str:
     return _REASONS.get(status, "")
 
 
-def connection_tokens(fields: Fields) -> set[str]:
-    """Lowercased tokens of every ``Connection`` field: names that end at this hop."""
-    tokens: set[str] = set()
-    for name, value in fields:
-        if name.lower() == "connection":
-            tokens.update(t.strip(" \t").lower() for t in value.split(",") if t.strip(" \t"))
-    return tokens
+def connection_tokens(value: AnyStr) -> set[AnyStr]:
+    """The lowercased names one ``Connection`` field value lists: fields that end at this
+    hop. The only parser of that header: the text and the raw (bytes) header filters
+    must agree, so only HTTP's whitespace (SP, HTAB) is stripped (``str.strip`` would
+    also take \\x85 and \\xa0)."""
+    if isinstance(value, bytes):
+        return {token for part in value.split(b",") if (token := part.strip(b" \t").lower())}
+    return {token for part in value.split(",") if (token := part.strip(" \t").lower())}
 
 
 def raw_connection_tokens(raw: RawFields, lowered: list[bytes]) -> set[bytes]:
-    """``connection_tokens`` for raw fields (``lowered``: their names, lowercased)."""
+    """``connection_tokens`` of every raw ``Connection`` field (``lowered``: the names,
+    lowercased)."""
     tokens: set[bytes] = set()
     for (_, value), name in zip(raw, lowered, strict=True):
         if name == b"connection":
-            tokens.update(t.strip(b" \t").lower() for t in value.split(b",")
-                          if t.strip(b" \t"))
+            tokens |= connection_tokens(value)
     return tokens
 
 

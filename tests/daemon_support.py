@@ -22,9 +22,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from mvproxy import pki
+from mvproxy import devpki, tls
 from mvproxy.app import build_daemon, running
-from mvproxy.config import load_config
+from mvproxy.configfile import load_config
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
 from mvproxy.devcluster.launcher import free_port
@@ -42,7 +42,7 @@ PODGROUPS_GVR = {"group": "scheduling.k8s.io", "version": "v1alpha2", "resource"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("pki") / "pki"
-    pki.init_pki(directory, ["a", "b"], days=2)
+    devpki.init_pki(directory, ["a", "b"], days=2)
     return directory
 
 
@@ -226,13 +226,13 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
     gate = asyncio.Event()
     health: dict = {"discovery": True, "mode": "ok"}
     seen: dict[str, list[tuple[str, str]]] = {"backend": [], "peer": []}
-    backend_ssl = pki.server_context(
+    backend_ssl = tls.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key",
         root / "front-proxy-ca.crt")  # optional, like kube-apiserver (anonymous, tokens)
     backend = await aiohttp_server(fake_server("backend", "1.35", routes=backend_routes,
                                                seen=seen["backend"], groups=backend_groups),
                                    ssl=backend_ssl)
-    peer_ssl = pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
+    peer_ssl = tls.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key",
                                   root / "front-proxy-ca.crt", require_client_cert=True)
     peer = await aiohttp_server(fake_server("peer", "1.36", gate, seen=seen["peer"],
                                             routes=peer_routes, health=health,
@@ -271,9 +271,9 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
     daemon = build_daemon(load_config(None, overrides=overrides), rng=random.Random(7))
     ca = root / "ca.crt"
     contexts = {
-        "admin": pki.client_context(ca, root / "admin.crt", root / "admin.key"),
-        "bearer": pki.client_context(ca),
-        "peer": pki.client_context(ca, root / "b" / "front-proxy-client.crt",
+        "admin": tls.client_context(ca, root / "admin.crt", root / "admin.key"),
+        "bearer": tls.client_context(ca),
+        "peer": tls.client_context(ca, root / "b" / "front-proxy-client.crt",
                                    root / "b" / "front-proxy-client.key"),
     }
     sessions = {who: aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from daemon_support import fake_server
 
-from mvproxy import pki
+from mvproxy import tls
 from mvproxy.devcluster.launcher import free_port
 
 WAIT = 20.0
@@ -28,7 +28,7 @@ WAIT = 20.0
 
 @pytest.fixture
 async def backend(aiohttp_server, root):
-    server = await aiohttp_server(fake_server("backend", "1.35"), ssl=pki.server_context(
+    server = await aiohttp_server(fake_server("backend", "1.35"), ssl=tls.server_context(
         root / "a" / "apiserver.crt", root / "a" / "apiserver.key", root / "front-proxy-ca.crt"))
     return f"https://127.0.0.1:{server.port}"
 

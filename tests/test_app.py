@@ -31,9 +31,9 @@ from daemon_support import (
     synced,
 )
 
-from mvproxy import pki
+from mvproxy import devpki
 from mvproxy.app import _peer_upstreams, build_daemon
-from mvproxy.config import load_config
+from mvproxy.configfile import load_config
 from mvproxy.membership import Peer, StaticMembership
 
 async def test_routes_by_capability_with_verified_identity(aiohttp_server, root):
@@ -57,7 +57,7 @@ async def test_routes_by_capability_with_verified_identity(aiohttp_server, root)
         echoed = json.loads(body)
         assert status == 200 and echoed["server"] == "peer"
         assert echoed["path"] == PODGROUPS + "?limit=5&labelSelector=a%3Db"
-        assert echoed["cn"] == pki.FRONT_PROXY_CLIENT_CN
+        assert echoed["cn"] == devpki.FRONT_PROXY_CLIENT_CN
         assert header(echoed, "x-kubernetes-peer-proxied") == ["true"]
         assert header(echoed, "X-Remote-User") == ["kubernetes-admin"]
         assert header(echoed, "X-Remote-Group") == ["system:masters"]
@@ -75,7 +75,7 @@ async def test_routes_by_capability_with_verified_identity(aiohttp_server, root)
         status, _, body = await c.get("/api/v1/namespaces/default/pods")
         echoed = json.loads(body)
         assert status == 200 and echoed["server"] == "backend"
-        assert echoed["cn"] == pki.FRONT_PROXY_CLIENT_CN
+        assert echoed["cn"] == devpki.FRONT_PROXY_CLIENT_CN
         assert header(echoed, "X-Remote-User") == ["kubernetes-admin"]
         assert header(echoed, "x-kubernetes-peer-proxied") == []
 

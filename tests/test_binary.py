@@ -25,7 +25,7 @@ from process_support import (
 )
 
 import mvproxy
-from mvproxy import pki
+from mvproxy import tls
 from mvproxy.devcluster.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ async def _serve_through(binary, env, root, tmp_path, backend, *args):
                                 stdin=subprocess.DEVNULL)
         try:
             await wait_ready(admin)
-            ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+            ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
             assert await get(port, ctx) == 200
             metrics = await admin_get(admin, "/metrics")
         except BaseException as exc:

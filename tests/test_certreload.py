@@ -26,7 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from daemon_support import PEER_ID, PODGROUPS, WAIT, cluster, ready
 from process_support import start_daemon, wait_ready
 
-from mvproxy import pki
+from mvproxy import devpki, tls
 from pki_support import issue, replace
 from mvproxy.certreload import CertificateReloader, Material, Unit
 from mvproxy.identity import ANONYMOUS, USER, IdentityResolver
@@ -49,7 +49,7 @@ def tree(root, tmp_path) -> Path:
 
 
 def client_ssl(tree: Path, stem: str = "admin", ca: str = "ca") -> ssl.SSLContext:
-    return pki.client_context(tree / f"{ca}.crt", tree / f"{stem}.crt", tree / f"{stem}.key")
+    return tls.client_context(tree / f"{ca}.crt", tree / f"{stem}.crt", tree / f"{stem}.key")
 
 
 async def connect(port: int, ctx: ssl.SSLContext):
@@ -160,10 +160,10 @@ async def test_a_replaced_client_ca_admits_its_clients_and_drops_the_old_ones(
     resolver follows); a CA taken out of the file is no longer trusted at all."""
     shutil.copy(tree / "ca.crt", tree / "client-ca.crt")
     other = tmp_path / "other"
-    pki.init_pki(other, ["x"], days=2)  # a second cluster CA, same names, other keys
+    devpki.init_pki(other, ["x"], days=2)  # a second cluster CA, same names, other keys
     async with cluster(aiohttp_server, tree,
                        extra={**MANUAL, "clientCAFile": str(tree / "client-ca.crt")}) as c:
-        newcomer = pki.client_context(tree / "ca.crt", other / "admin.crt", other / "admin.key")
+        newcomer = tls.client_context(tree / "ca.crt", other / "admin.crt", other / "admin.key")
         assert (await get_once(c.port, newcomer))[0] == 0
         assert (await get_once(c.port, c.contexts["admin"]))[0] == 200
 
@@ -171,7 +171,7 @@ async def test_a_replaced_client_ca_admits_its_clients_and_drops_the_old_ones(
         assert c.daemon.certificates.check_now() == ["listener"]
 
         status, echoed = await get_once(c.port, newcomer)
-        assert status == 200 and header(echoed, "X-Remote-User") == [pki.ADMIN_CN]
+        assert status == 200 and header(echoed, "X-Remote-User") == [devpki.ADMIN_CN]
         assert (await get_once(c.port, c.contexts["admin"]))[0] == 0
         new_ca = x509.load_pem_x509_certificate((other / "ca.crt").read_bytes())
         assert await c.metric(EXPIRY, role="client-ca", index="0") == \
@@ -185,7 +185,7 @@ def test_the_identity_resolver_forgets_what_a_removed_ca_vouched_for(root):
                                 peer_client_ca_file=str(root / "front-proxy-ca.crt"),
                                 peer_allowed_names=["front-proxy-client"])
     assert resolver.resolve(der).kind == USER  # memoised now
-    resolver.use_cas((), pki.load_ca_bundle(root / "front-proxy-ca.crt", "CA"))
+    resolver.use_cas((), tls.load_ca_bundle(root / "front-proxy-ca.crt", "CA"))
     assert resolver.resolve(der).kind == ANONYMOUS
 
 
@@ -290,7 +290,7 @@ async def test_a_broken_replacement_is_refused_logged_once_counted_and_the_old_o
         # The old material still serves and identifies everyone as before.
         assert await new_connection_serial(c.port, ctx) == serial
         status, echoed = await get_once(c.port, ctx)
-        assert status == 200 and header(echoed, "X-Remote-User") == [pki.ADMIN_CN]
+        assert status == 200 and header(echoed, "X-Remote-User") == [devpki.ADMIN_CN]
         c.daemon.transport.drop_idle("backend")
         c.daemon.transport.drop_idle(PEER_ID)
         assert (await c.get(PODS))[0] == 200
@@ -340,7 +340,7 @@ def test_every_loaded_certificate_has_an_expiry_each_ca_of_a_bundle_its_own(root
     from mvproxy.app import build_daemon
 
     other = tmp_path / "other"
-    pki.init_pki(other, ["x"], days=9)
+    devpki.init_pki(other, ["x"], days=9)
     bundle = tmp_path / "bundle.crt"
     bundle.write_bytes((root / "ca.crt").read_bytes() + (other / "ca.crt").read_bytes())
     cfg = dataclasses.replace(standalone(root), client_ca_file=str(bundle))
@@ -383,7 +383,7 @@ async def test_a_fifo_or_a_huge_file_in_place_of_a_certificate_is_refused_unread
 
 def standalone(tree: Path):
     """A configuration of every certificate setting, for a daemon that is built only."""
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
 
     return load_config(None, overrides={
         "serverID": "a", "tlsCertFile": str(tree / "a" / "mvproxy.crt"),

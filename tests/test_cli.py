@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import mvproxy
-from mvproxy import pki
+from mvproxy import devpki
 
 
 def mvproxy_cmd(*args, cwd=None):
@@ -18,7 +18,7 @@ def mvproxy_cmd(*args, cwd=None):
 @pytest.fixture(scope="module")
 def cluster_pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pki") / "pki"
-    pki.init_pki(directory, ["apiserver-a", "apiserver-b"])
+    devpki.init_pki(directory, ["apiserver-a", "apiserver-b"])
     return directory
 
 

@@ -26,9 +26,9 @@ from mvproxy.config import (
     StaticPeer,
     TimeoutsConfig,
     format_duration,
-    load_config,
     parse_duration,
 )
+from mvproxy.configfile import load_config
 from mvproxy.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "mvproxy.example.yaml"

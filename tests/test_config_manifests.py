@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mvproxy.pki import init_pki
+from mvproxy.devpki import init_pki
 
 from sidecar_support import CONFIG, KUBEADM, NODE_NAME, SIDECAR, config_argv, dev_config, node
 

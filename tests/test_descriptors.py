@@ -15,7 +15,7 @@ import ssl
 from process_support import admin_get, get, start_daemon, wait_ready
 from reliability import record
 
-from mvproxy import pki
+from mvproxy import tls
 
 NOFILE = 200
 
@@ -39,7 +39,7 @@ async def close_all(tasks) -> None:
 
 async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_path):
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE)
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         connected, waiting = await open_many(port, ctx, 80)
@@ -63,7 +63,7 @@ async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, 
     """maxConnections set above what the process can open: accept fails with EMFILE."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE,
                                            maxConnections=1000)
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         connected, waiting = await open_many(port, ctx, 2 * NOFILE)

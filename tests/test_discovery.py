@@ -22,6 +22,7 @@ from mvproxy.discovery import (
     DiscoveryFormatError,
     Negotiated,
     Snapshot,
+    check_prefix,
     etag,
     merge,
     negotiate,
@@ -30,7 +31,6 @@ from mvproxy.discovery import (
     render_api_group,
     render_api_group_list,
     render_api_versions,
-    snapshot_from_documents,
 )
 from mvproxy.errors import MvproxyError
 
@@ -49,8 +49,12 @@ def release_doc(version: str, *, core: bool, api_version: str = API_VERSION_V2) 
 
 
 def release_snapshot(version: str) -> Snapshot:
-    return snapshot_from_documents(body(release_doc(version, core=True)),
-                                   body(release_doc(version, core=False)), max_bytes=MAX_BYTES)
+    # As the poller builds it: each document parsed, then checked for its path.
+    core = parse_aggregated(body(release_doc(version, core=True)), max_bytes=MAX_BYTES)
+    groups = parse_aggregated(body(release_doc(version, core=False)), max_bytes=MAX_BYTES)
+    check_prefix("/api", core)
+    check_prefix("/apis", groups)
+    return Snapshot(core, groups)
 
 
 def small_doc() -> dict:
@@ -208,16 +212,15 @@ def test_format_errors_are_mvproxy_errors_and_value_errors():
 
 
 def test_documents_for_the_wrong_path_are_rejected():
-    core, apis = body(release_doc("1.36", core=True)), body(release_doc("1.36", core=False))
-    with pytest.raises(DiscoveryFormatError, match=r"^/api: lists a named group"):
-        snapshot_from_documents(apis, apis, max_bytes=MAX_BYTES)
-    with pytest.raises(DiscoveryFormatError, match=r"^/apis: lists the core group"):
-        snapshot_from_documents(core, core, max_bytes=MAX_BYTES)
-
-
-def test_parse_errors_name_the_path():
-    with pytest.raises(DiscoveryFormatError, match=r"^/apis document: not JSON"):
-        snapshot_from_documents(body(release_doc("1.36", core=True)), b"oops", max_bytes=MAX_BYTES)
+    core = parse_aggregated(body(release_doc("1.36", core=True)), max_bytes=MAX_BYTES)
+    apis = parse_aggregated(body(release_doc("1.36", core=False)), max_bytes=MAX_BYTES)
+    with pytest.raises(DiscoveryFormatError,
+                       match=r"^GET /api: group '[a-z0-9.]+' does not belong"):
+        check_prefix("/api", apis)
+    with pytest.raises(DiscoveryFormatError, match=r"^GET /apis: group '' does not belong"):
+        check_prefix("/apis", core)
+    check_prefix("/api", core)
+    check_prefix("/apis", apis)
 
 
 # --------------------------------------------------------------------------- what a server serves

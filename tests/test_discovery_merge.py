@@ -17,7 +17,6 @@ from mvproxy.discovery import (
     parse_aggregated,
     render_aggregated,
     render_api_group_list,
-    snapshot_from_documents,
 )
 
 MAX_BYTES = 1 << 20
@@ -276,10 +275,11 @@ def _body(doc: dict) -> bytes:
 @functools.cache
 def release(version: str) -> Snapshot:
     release_catalog = catalog.load_catalog(version)
-    return snapshot_from_documents(
-        _body(discoverydocs.aggregated(release_catalog, core=True)),
-        _body(discoverydocs.aggregated(release_catalog, core=False)),
-        max_bytes=MAX_BYTES)
+    return Snapshot(
+        parse_aggregated(_body(discoverydocs.aggregated(release_catalog, core=True)),
+                         max_bytes=MAX_BYTES),
+        parse_aggregated(_body(discoverydocs.aggregated(release_catalog, core=False)),
+                         max_bytes=MAX_BYTES))
 
 
 @functools.cache

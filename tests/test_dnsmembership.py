@@ -9,10 +9,11 @@ import ssl
 
 import pytest
 
+from mvproxy.devpki import init_pki
 from mvproxy.dnsmembership import DNSMembership, resolve, server_id_from_cert
 from mvproxy.membership import Peer
 from mvproxy.metrics import Metrics
-from mvproxy.pki import client_context, init_pki, server_context
+from mvproxy.tls import client_context, server_context
 
 
 @pytest.fixture(scope="module")

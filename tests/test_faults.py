@@ -49,7 +49,7 @@ from daemon_support import (
 )
 from reliability import record
 
-from mvproxy.devcluster.demo import start_cluster
+from mvproxy.devcluster.demo import READY_TIMEOUT, start_cluster
 
 SUITE = "Faults"
 
@@ -138,7 +138,7 @@ async def test_a_peer_with_an_untrusted_certificate_is_never_used(aiohttp_server
     ctx.load_cert_chain(crt, key)
     impostor = await aiohttp_server(fake_server("impostor", "1.36"), ssl=ctx)
     from mvproxy.app import build_daemon, running
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
     from mvproxy.devcluster.launcher import free_port
     overrides = {
         "serverID": "a", "bindAddress": "127.0.0.1", "securePort": free_port(),
@@ -307,13 +307,21 @@ async def phases(demo, load: Load) -> None:
     load.phase = "peer backend back as 1.37"
     backend.stop()
     backend.argv[backend.argv.index("--kubernetes-version") + 1] = "1.37"
-    await asyncio.to_thread(demo.start_backend, NEW2)
+    await asyncio.to_thread(start_backend_again, demo, NEW2)
     await settle(3)
     # 5. now the only capable peer freezes: 503 with Retry-After, promptly
     await frozen(demo, load, NEW1, NO_CAPABLE_PEER, 8)
     await asyncio.to_thread(demo.wait_converged)
     load.phase = "recovery 5"
     await settle(3)
+
+
+def start_backend_again(demo, sid: str) -> None:
+    """A stopped kube-apiserver started again (same port and store), then converged."""
+    backend = demo.server(sid).backend
+    backend.start()
+    backend.wait_ready(READY_TIMEOUT)
+    demo.wait_converged()
 
 
 async def frozen(demo, load: Load, sid: str, phase: str, seconds: float) -> None:

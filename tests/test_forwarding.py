@@ -29,7 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from mvproxy import forwarding, pki
+from mvproxy import devpki, forwarding, tls
 from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -296,7 +296,7 @@ def test_may_resend(exc, method, body_started, expected):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("pki") / "pki"
-    pki.init_pki(directory, ["a", "b"], days=2)
+    devpki.init_pki(directory, ["a", "b"], days=2)
     return directory
 
 
@@ -311,7 +311,7 @@ async def transport():
 async def downstream_client(root):
     """The downstream: verifies the proxy, never decompresses, sends paths as given."""
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(ssl=pki.client_context(root / "ca.crt")),
+        connector=aiohttp.TCPConnector(ssl=tls.client_context(root / "ca.crt")),
         auto_decompress=False, timeout=aiohttp.ClientTimeout(total=60))
     yield session
     await session.close()
@@ -339,14 +339,14 @@ def chain(aiohttp_server, root, transport, listen):
     async def start(upstream_app: web.Application | None, *, upstream_url: str | None = None,
                     **proxy_kw) -> str:
         if upstream_app is not None:
-            up_server = await aiohttp_server(upstream_app, ssl=pki.server_context(
+            up_server = await aiohttp_server(upstream_app, ssl=tls.server_context(
                 root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
                 require_client_cert=True))
             upstream_url = f"https://127.0.0.1:{up_server.port}"
-        up = Upstream("apiserver-b", upstream_url, pki.client_context(
+        up = Upstream("apiserver-b", upstream_url, tls.client_context(
             root / "ca.crt", root / "a" / "front-proxy-client.crt",
             root / "a" / "front-proxy-client.key"), is_peer=True)
-        port = await listen(proxy_handler(transport, up, **proxy_kw), pki.server_context(
+        port = await listen(proxy_handler(transport, up, **proxy_kw), tls.server_context(
             root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
         return f"https://127.0.0.1:{port}"
     return start
@@ -530,14 +530,14 @@ async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_t
         await asyncio.wait_for(release.wait(), WAIT)
         return web.Response(text="too late")
 
-    up_server = await aiohttp_server(catch_all(hang), ssl=pki.server_context(
+    up_server = await aiohttp_server(catch_all(hang), ssl=tls.server_context(
         root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
         require_client_cert=True))
-    up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", pki.client_context(
+    up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", tls.client_context(
         root / "ca.crt", root / "a" / "front-proxy-client.crt",
         root / "a" / "front-proxy-client.key"), is_peer=True)
     port = await listen(proxy_handler(short_transport, up, long_running=False),
-                        pki.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
+                        tls.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
     try:
         async with downstream_client.request(
                 method, f"https://127.0.0.1:{port}/api/v1/namespaces/ns/pods",

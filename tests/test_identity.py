@@ -1,6 +1,6 @@
 """identity: who a downstream is, from its (already TLS-verified) client certificate.
 
-The PKI is the development one (``pki.init_pki``): the cluster CA signs the admin
+The PKI is the development one (``devpki.init_pki``): the cluster CA signs the admin
 certificate and, here, user certificates; the front-proxy CA signs only the
 ``front-proxy-client`` certificates, which are what peers present. A second,
 unrelated PKI provides look-alike certificates whose CAs have the *same names* but
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from multidict import CIMultiDict
 
-from mvproxy import identity, pki
+from mvproxy import devpki, identity, tls
 from mvproxy.identity import (
     ANONYMOUS,
     ANONYMOUS_DOWNSTREAM,
@@ -33,11 +33,10 @@ from mvproxy.identity import (
     Downstream,
     IdentityResolver,
     identity_headers,
-    is_identity_header,
     is_peer_proxied,
 )
 
-PEER_NAME = pki.FRONT_PROXY_CLIENT_CN
+PEER_NAME = devpki.FRONT_PROXY_CLIENT_CN
 
 
 def issue(root: Path, *cns: str, orgs: tuple[str, ...] = (), ca: str = "ca") -> bytes:
@@ -68,8 +67,8 @@ def roots(tmp_path_factory) -> tuple[Path, Path]:
     """(cluster PKI, rogue PKI with same-named CAs)."""
     good = tmp_path_factory.mktemp("pki") / "pki"
     rogue = tmp_path_factory.mktemp("rogue") / "pki"
-    pki.init_pki(good, ["a", "b"], days=2)
-    pki.init_pki(rogue, ["x"], days=2)
+    devpki.init_pki(good, ["a", "b"], days=2)
+    devpki.init_pki(rogue, ["x"], days=2)
     return good, rogue
 
 
@@ -154,9 +153,9 @@ def test_a_certificate_with_several_common_names_is_refused(resolver, certs, nam
 def test_names_are_read_as_go_reads_them(roots):
     """kube-apiserver's x509 authenticator: the last CN, every O in order."""
     good, _ = roots
-    assert pki.subject_identity(issue(good, "first", "last", orgs=("o1", "o2"))) == (
+    assert tls.subject_identity(issue(good, "first", "last", orgs=("o1", "o2"))) == (
         "last", ("o1", "o2"))
-    assert pki.common_names(issue(good, "first", "last")) == ("first", "last")
+    assert tls.common_names(issue(good, "first", "last")) == ("first", "last")
 
 
 @pytest.mark.parametrize("cert", [None, b""], ids=["no certificate", "empty certificate"])
@@ -266,17 +265,6 @@ def test_identity_headers():
     assert identity_headers(Downstream(USER, "bob")) == [("X-Remote-User", "bob")]
     assert identity_headers(PEER_DS) == []  # a peer's own X-Remote-* pass through instead
     assert identity_headers(ANONYMOUS_DOWNSTREAM) == []
-
-
-@pytest.mark.parametrize("name, expected", [
-    ("X-Remote-User", True), ("x-remote-group", True), ("X-Remote-Uid", True),
-    ("X-Remote-Extra-Scopes", True), ("X-REMOTE-EXTRA-acme.com%2Fproject", True),
-    ("x-kubernetes-peer-proxied", True), ("X-Kubernetes-Peer-Proxied", True),
-    ("Authorization", False), ("Impersonate-User", False), ("Impersonate-Group", False),
-    ("X-Remoteuser", False), ("X-Forwarded-For", False), ("Audit-ID", False),
-])
-def test_is_identity_header(name, expected):
-    assert is_identity_header(name) is expected
 
 
 def test_constants_match_upstream_names():

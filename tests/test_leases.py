@@ -17,6 +17,7 @@ import pytest
 
 from mvproxy import leasemembership
 from mvproxy.devcluster.launcher import SimProcess, free_port
+from mvproxy.devpki import init_pki
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
 from mvproxy.leases import (
@@ -32,7 +33,7 @@ from mvproxy.leases import (
 from mvproxy.logs import _KV_ATTR
 from mvproxy.membership import CombinedMembership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
-from mvproxy.pki import client_context, init_pki
+from mvproxy.tls import client_context
 
 NOW = 1_800_000_000.0
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases"
@@ -394,7 +395,7 @@ async def tls_app(sim: SimProcess, routes):
     """An aiohttp app on 127.0.0.1 serving the sim's certificate (real TLS)."""
     from aiohttp import web
 
-    from mvproxy.pki import server_context
+    from mvproxy.tls import server_context
 
     app = web.Application()
     for path, handler in routes.items():
@@ -605,7 +606,7 @@ async def test_the_membership_identity_may_touch_leases_and_nothing_else(sim):
 
 
 def test_a_reload_applies_static_peers_and_keeps_lease_settings(tmp_path):
-    from mvproxy.config import load_config
+    from mvproxy.configfile import load_config
     from mvproxy.reload import merge
 
     init_pki(tmp_path / "pki", ["a"])
@@ -690,9 +691,10 @@ async def test_a_lease_cannot_make_the_daemon_trust_a_server_that_is_not_a_peer(
     """A Lease names an impostor (a TLS server whose certificate another CA signed):
     mvproxy lists it, tries it, and never takes its discovery; and mvproxy's own Lease
     is there while it runs and gone after a graceful stop."""
-    from mvproxy.app import build_daemon, running as daemon_running
-    from mvproxy.config import load_config
-    from mvproxy.pki import server_context
+    from mvproxy.app import build_daemon
+    from mvproxy.app import running as daemon_running
+    from mvproxy.configfile import load_config
+    from mvproxy.tls import server_context
 
     init_pki(tmp_path / "other", ["impostor"])
     impostor = tmp_path / "other/impostor"
@@ -743,7 +745,7 @@ async def test_a_lease_cannot_make_the_daemon_trust_a_server_that_is_not_a_peer(
 
 
 async def test_the_lease_client_follows_a_rotated_backend_certificate(sim, tmp_path):
-    from mvproxy.pki import SwappableContext
+    from mvproxy.tls import SwappableContext
 
     init_pki(tmp_path / "other", ["x"])
     other = tmp_path / "other"

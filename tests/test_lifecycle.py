@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 from process_support import WAIT, admin_get, get, start_daemon, wait_ready
 
-from mvproxy import pki
-from mvproxy.config import load_config
+from mvproxy import tls
+from mvproxy.configfile import load_config
 from mvproxy.devcluster.launcher import free_port
 from mvproxy.reload import changed_paths, merge
 
@@ -89,7 +89,7 @@ async def test_sighup_reloads_peers_and_reports_what_needs_a_restart(root, tmp_p
                                                                      backend):
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "peer": _peer_tls(root), "peers": _static("b")})
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         config_file = tmp_path / "config.yaml"
@@ -131,7 +131,7 @@ async def test_sigterm_fails_readyz_then_serves_for_the_shutdown_delay(root, tmp
     """A long delay, ended by a second signal: nothing here depends on how long it is."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "timeouts": {"shutdownGracePeriod": "2s", "shutdownDelay": "10m"}})
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         proc.send_signal(signal.SIGTERM)

@@ -17,7 +17,7 @@ import pytest
 from cryptography import x509
 from pki_support import issue
 
-from mvproxy.config import load_config
+from mvproxy.configfile import load_config
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 from tests.e2e_support import (
     AGGREGATED_V2,

@@ -137,7 +137,7 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     version = subprocess.run([str(env_dir / "bin" / "mvproxy"), "--version"], cwd=tmp_path,
                              capture_output=True, text=True, check=True, timeout=60)
     assert version.stdout.strip() == f"mvproxy {mvproxy.__version__}"
-    probe = ("import mvproxy, mvproxy.cli, mvproxy.config, mvproxy.pki;"
+    probe = ("import mvproxy, mvproxy.cli, mvproxy.config, mvproxy.tls, mvproxy.devpki;"
              "print(mvproxy.__file__)")
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
                            text=True, check=True, timeout=60)

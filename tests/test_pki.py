@@ -1,4 +1,5 @@
-"""Tests for mvproxy.pki: the generated layout, SSL contexts and certificate checks."""
+"""Tests for mvproxy.devpki and mvproxy.tls: the generated layout, SSL contexts and
+certificate checks."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from mvproxy.devpki import init_pki
 from mvproxy.errors import PKIError, Problem
-from mvproxy.pki import (
+from mvproxy.tls import (
     check_certificate,
     client_context,
-    init_pki,
     server_context,
     subject_identity,
 )

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from mvproxy import discovery, pki
+from mvproxy import devpki, discovery, tls
 from mvproxy.cache import DiscoveryCache
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
@@ -128,15 +128,15 @@ class FakeServer:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     good = tmp_path_factory.mktemp("pki") / "pki"
     rogue = tmp_path_factory.mktemp("rogue") / "pki"
-    pki.init_pki(good, [SELF, PEER_B, PEER_C], days=2)
-    pki.init_pki(rogue, [PEER_B], days=2)
+    devpki.init_pki(good, [SELF, PEER_B, PEER_C], days=2)
+    devpki.init_pki(rogue, [PEER_B], days=2)
     return good, rogue
 
 
 @pytest.fixture(scope="module")
 def peer_client_ctx(certs):
     good, _ = certs
-    return pki.client_context(good / "ca.crt", good / SELF / "front-proxy-client.crt",
+    return tls.client_context(good / "ca.crt", good / SELF / "front-proxy-client.crt",
                               good / SELF / "front-proxy-client.key")
 
 
@@ -147,7 +147,7 @@ def start(aiohttp_server, certs):
 
     async def go(fake: FakeServer, server_id: str, *, rogue_cert: bool = False) -> FakeServer:
         root = rogue if rogue_cert else good
-        ctx = pki.server_context(root / server_id / "mvproxy.crt", root / server_id / "mvproxy.key",
+        ctx = tls.server_context(root / server_id / "mvproxy.crt", root / server_id / "mvproxy.key",
                                  good / "front-proxy-ca.crt", require_client_cert=True)
         server = await aiohttp_server(fake.app(), ssl=ctx)
         fake.url = f"https://127.0.0.1:{server.port}"
@@ -290,7 +290,7 @@ async def test_peer_requests_carry_peer_headers_and_client_certificate(harness):
             headers = request["headers"]
             assert headers["Accept"] == discovery.PEER_ACCEPT
             assert "profile=nopeer" in headers["Accept"]
-            assert request["cn"] == pki.FRONT_PROXY_CLIENT_CN
+            assert request["cn"] == devpki.FRONT_PROXY_CLIENT_CN
             for name, value in POLL_IDENTITY.items():
                 assert headers[name] == value
     for request in h.fakes[PEER_B].requests:

@@ -37,7 +37,7 @@ from daemon_support import (
 )
 from pki_support import issue
 
-from mvproxy import pki
+from mvproxy import devpki, tls
 from mvproxy.errors import UpstreamProtocolError
 from mvproxy.listener import DownstreamConnection
 
@@ -237,7 +237,7 @@ def client_cert_context(root: Path, directory: Path, *cns: str, ca: str = "ca",
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                            serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
-    return pki.client_context(root / "ca.crt", cert_file, key_file)
+    return tls.client_context(root / "ca.crt", cert_file, key_file)
 
 
 CLAIMS = ("x-kubernetes-peer-proxied: true\r\nX-Remote-User: system:admin\r\n"
@@ -250,12 +250,12 @@ async def test_a_user_certificate_named_like_a_peer_cannot_claim_users(aiohttp_s
     it) is that user, not a peer: its X-Remote-* claims are replaced, not believed."""
     async with cluster(aiohttp_server, root) as c:
         await ready(c)
-        c.contexts["csr"] = client_cert_context(root, tmp_path, pki.FRONT_PROXY_CLIENT_CN)
+        c.contexts["csr"] = client_cert_context(root, tmp_path, devpki.FRONT_PROXY_CLIENT_CN)
         answer = await c.raw(request(PODGROUPS, headers=CLAIMS), who="csr")
         echoed = body_of(answer)
         assert echoed["server"] == "peer"  # routed as a user's request, not kept local
         claimed = {(k.lower(), v) for k, v in echoed["headers"]}
-        assert ("x-remote-user", pki.FRONT_PROXY_CLIENT_CN) in claimed
+        assert ("x-remote-user", devpki.FRONT_PROXY_CLIENT_CN) in claimed
         assert ("x-remote-user", "system:admin") not in claimed
         assert ("x-remote-group", "system:masters") not in claimed
 
@@ -598,7 +598,7 @@ async def test_a_bearer_token_never_reaches_a_dns_address_that_is_not_a_peer(
     crt, key = _kubelet_serving(tree)
     seen: list = []
     impostor = await aiohttp_server(fake_server("impostor", "1.36", seen=seen),
-                                    ssl=pki.server_context(crt, key))
+                                    ssl=tls.server_context(crt, key))
     dns = {"peers.static": [],
            "peers.dns": {"name": "localhost", "port": impostor.port, "interval": "200ms"}}
     async with cluster(aiohttp_server, root, extra=dns) as c:
@@ -628,6 +628,6 @@ def test_peer_serving_certificates(tmp_path, root, cn, orgs, dns, must_name, pro
     tree = tmp_path / "pki"
     shutil.copytree(root, tree)
     cert = issue(tree, "leaf", cn=cn, orgs=orgs, dns=dns)
-    found = pki.peer_serving_problem(cert.public_bytes(Encoding.DER), "apiserver-b",
+    found = tls.peer_serving_problem(cert.public_bytes(Encoding.DER), "apiserver-b",
                                      must_name=must_name)
     assert (found is None) if problem is None else (problem in (found or "")), found

@@ -19,11 +19,12 @@ import pytest
 import yaml
 
 from mvproxy.cli import build_parser, config_overrides
-from mvproxy.config import load_config
+from mvproxy.configfile import load_config
 from mvproxy.devcluster.launcher import ManagedProcess, SimProcess, free_port, stop_all
 from mvproxy.devcluster.simendpoints import ENDPOINTS, SLICE, publish, withdraw
 from mvproxy.devcluster.store import Store
-from mvproxy.pki import client_context, init_pki
+from mvproxy.devpki import init_pki
+from mvproxy.tls import client_context
 
 from sidecar_support import KUBEADM, NODE_NAME, config_argv, container, dev_config, node
 

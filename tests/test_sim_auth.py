@@ -33,9 +33,10 @@ from mvproxy.devcluster.simauth import (
     auth_middleware,
     load_token_file,
 )
+from mvproxy.devpki import init_pki
 from mvproxy.errors import ConfigError, UsageError
-from mvproxy.pki import client_context, init_pki, server_context
 from mvproxy.requestinfo import parse_request_info
+from mvproxy.tls import client_context, server_context
 
 SERVER_ID = "sim-a"
 TOKENS = ('admin-token,alice,uid-alice,"system:masters,dev"\n'

@@ -27,7 +27,7 @@ import pytest
 from mvproxy.devcluster.catalog import Catalog, load_catalog
 from mvproxy.devcluster.kubeconfig import write_kubeconfig
 from mvproxy.devcluster.launcher import SimProcess, free_port, write_token_file
-from mvproxy.pki import init_pki
+from mvproxy.devpki import init_pki
 from e2e_support import LineReader, stop_popen
 
 READY_TIMEOUT = 30.0

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mvproxy import pki
+from mvproxy import devpki, tls
 from mvproxy.errors import (
     MvproxyError,
     UpstreamConnectError,
@@ -37,20 +37,20 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the cluster PKI, an unrelated PKI whose CA nobody trusts)."""
     good = tmp_path_factory.mktemp("pki") / "pki"
     rogue = tmp_path_factory.mktemp("rogue") / "pki"
-    pki.init_pki(good, ["a", "b"], days=2)
-    pki.init_pki(rogue, ["b"], days=2)
+    devpki.init_pki(good, ["a", "b"], days=2)
+    devpki.init_pki(rogue, ["b"], days=2)
     return good, rogue
 
 
 def server_ctx(root: Path, client_ca: Path):
-    return pki.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", client_ca,
+    return tls.server_context(root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", client_ca,
                               require_client_cert=True)
 
 
 @pytest.fixture(scope="module")
 def client_ctx(certs):
     good, _ = certs
-    return pki.client_context(good / "ca.crt", good / "a" / "front-proxy-client.crt",
+    return tls.client_context(good / "ca.crt", good / "a" / "front-proxy-client.crt",
                               good / "a" / "front-proxy-client.key")
 
 
@@ -114,7 +114,7 @@ async def test_fetch_over_mtls_presents_the_client_certificate(serve, transport,
     fetched = await transport.fetch(up, "/api", headers={"Accept": "application/json"},
                                     timeout=2, max_bytes=1024)
     assert fetched.status == 200 and fetched.body == b'{"ok":true}'
-    assert seen["cn"] == pki.FRONT_PROXY_CLIENT_CN
+    assert seen["cn"] == devpki.FRONT_PROXY_CLIENT_CN
     # Go servers spell it "Etag": header lookups must not depend on case.
     assert fetched.headers["ETag"] == '"abc"' and fetched.headers["etag"] == '"abc"'
     assert seen["headers"]["Accept"] == "application/json"

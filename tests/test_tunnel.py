@@ -24,7 +24,7 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 from yarl import URL
 
-from mvproxy import forwarding, pki
+from mvproxy import devpki, forwarding, tls
 from mvproxy.devcluster.simexec import handle_exec
 from mvproxy.errors import UpstreamConnectError, UpstreamProtocolError
 from mvproxy.forwarding import ForwardError
@@ -45,7 +45,7 @@ V5 = "v5.channel.k8s.io"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("pki") / "pki"
-    pki.init_pki(directory, ["a", "b"], days=2)
+    devpki.init_pki(directory, ["a", "b"], days=2)
     return directory
 
 
@@ -54,13 +54,13 @@ def contexts(root: Path) -> dict[str, Any]:
     """The four TLS ends: upstream server, mvproxy toward it, mvproxy's listener, kubectl."""
     return {
         # kube-apiserver: serving cert, trusts the front-proxy CA for mvproxy's client cert
-        "upstream": pki.server_context(root / "b" / "apiserver.crt", root / "b" / "apiserver.key",
+        "upstream": tls.server_context(root / "b" / "apiserver.crt", root / "b" / "apiserver.key",
                                        root / "front-proxy-ca.crt", require_client_cert=True),
-        "to_upstream": pki.client_context(root / "ca.crt", root / "a" / "front-proxy-client.crt",
+        "to_upstream": tls.client_context(root / "ca.crt", root / "a" / "front-proxy-client.crt",
                                           root / "a" / "front-proxy-client.key"),
-        "listener": pki.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key",
+        "listener": tls.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key",
                                        root / "ca.crt"),
-        "user": pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key"),
+        "user": tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key"),
     }
 
 
@@ -266,8 +266,8 @@ async def test_websocket_round_trips_with_subprotocol_and_identity(
 
     [(raw_path, headers)] = seen
     assert raw_path == target
-    assert headers.getall("X-Remote-User") == [pki.ADMIN_CN]  # mallory was dropped
-    assert headers.getall("X-Remote-Group") == [pki.ADMIN_GROUP]  # "forged" was dropped
+    assert headers.getall("X-Remote-User") == [devpki.ADMIN_CN]  # mallory was dropped
+    assert headers.getall("X-Remote-Group") == [devpki.ADMIN_GROUP]  # "forged" was dropped
     assert headers["Authorization"] == "Bearer not-a-real-token"
     assert headers["Sec-WebSocket-Protocol"] == V5
     assert "x-kubernetes-peer-proxied" not in headers
@@ -354,7 +354,7 @@ async def test_spdy_upgrade_echoes_bytes_exactly_including_one_mebibyte(
     assert sent["Upgrade"] == "SPDY/3.1"
     assert sent["Connection"] == "Upgrade"
     assert sent["Host"] == f"127.0.0.1:{URL(upstream_url).port}"
-    assert sent.getall("X-Remote-User") == [pki.ADMIN_CN]
+    assert sent.getall("X-Remote-User") == [devpki.ADMIN_CN]
     assert sent["Authorization"] == "Bearer not-a-real-token"
     assert sent["X-Stream-Protocol-Version"] == "portforward.k8s.io"
 
@@ -374,8 +374,8 @@ async def test_upgrade_to_a_peer_carries_identity_and_peer_marker(
     await asyncio.wait_for(proxy.finished.wait(), WAIT)
     sent = head_headers(heads[0])
     assert sent.getall("x-kubernetes-peer-proxied") == ["true"]
-    assert sent.getall("X-Remote-User") == [pki.ADMIN_CN]
-    assert sent.getall("X-Remote-Group") == [pki.ADMIN_GROUP]
+    assert sent.getall("X-Remote-User") == [devpki.ADMIN_CN]
+    assert sent.getall("X-Remote-Group") == [devpki.ADMIN_GROUP]
     assert len(sent.getall("Audit-ID")) == 1
 
 
@@ -449,7 +449,7 @@ async def test_untrusted_upstream_certificate_is_a_connect_error(
         serve_raw: Any, start_proxy: Any, contexts: dict[str, Any]) -> None:
     """TLS failures count as "could not connect": nothing was sent."""
     url = await serve_raw(lambda r, w: r.read(1))
-    stranger = pki.client_context(None)  # system trust: does not know the test CA
+    stranger = tls.client_context(None)  # system trust: does not know the test CA
     error = await refused_upgrade(await start_proxy(url, to_peer=True, client_ssl=stranger),
                                   contexts)
     assert error.retryable

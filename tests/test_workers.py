@@ -18,8 +18,8 @@ import pytest
 from process_support import WAIT, admin_get, get, start_daemon, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 
-from mvproxy import pki
-from mvproxy.config import load_config
+from mvproxy import tls
+from mvproxy.configfile import load_config
 from mvproxy.workers import Supervisor, Worker
 
 
@@ -67,7 +67,7 @@ async def test_workers_share_the_port_add_up_and_survive_one_dying(backend, root
     """Connections spread over both workers; a killed worker is replaced, its clients
     alone lose their connections, and the summed counters never go back."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, args=("--workers", "2"))
-    ctx = pki.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
         await wait_ready(admin)
         status, text = await admin_get(admin, "/readyz?verbose")

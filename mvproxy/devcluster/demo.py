@@ -198,15 +198,6 @@ class DemoCluster:
                 os.killpg(proxy.pid, signal.SIGKILL)
         proxy.stop(STOP_TIMEOUT)  # reaps it
 
-    def stop_backend(self, sid: str) -> None:
-        """Stop one server's simulated kube-apiserver (its mvproxy keeps running)."""
-        self.server(sid).backend.stop(STOP_TIMEOUT)
-
-    def start_backend(self, sid: str, *, wait: bool = True,
-                      timeout: float = READY_TIMEOUT) -> None:
-        """Start one server's kube-apiserver again (same port, store and audit log)."""
-        self._restart(self.server(sid).backend, wait, timeout)
-
     def _restart(self, process, wait: bool, timeout: float) -> None:
         """Start a stopped process again; with ``wait``, until the cluster converged."""
         process.start()
@@ -495,7 +486,7 @@ def start_cluster(
     after stopping whatever it started.
     """
     from mvproxy.devcluster.kubeconfig import write_kubeconfig
-    from mvproxy.pki import init_pki
+    from mvproxy.devpki import init_pki
 
     if membership not in MEMBERSHIPS:
         raise UsageError(f"--membership: must be one of {', '.join(MEMBERSHIPS)}, "

@@ -281,7 +281,7 @@ class SimProcess(ManagedProcess):
                          ssl_context=None, env=env)
 
     def admin_context(self) -> ssl.SSLContext:
-        from mvproxy.pki import client_context
+        from mvproxy.tls import client_context
 
         return client_context(self.pki_dir / "ca.crt", self.pki_dir / "admin.crt",
                               self.pki_dir / "admin.key")

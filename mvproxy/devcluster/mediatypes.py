@@ -10,7 +10,10 @@ Only JSON is produced here: a request that accepts nothing but protobuf gets 406
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from mvproxy import accept
+from mvproxy.accept import MediaRange
 
 DISCOVERY_GROUP = "apidiscovery.k8s.io"
 META_GROUP = "meta.k8s.io"
@@ -24,20 +27,11 @@ _HARMLESS = frozenset(("pretty", "charset", "profile"))
 _CONVERSION = ("as", "g", "v")
 
 
-@dataclass(frozen=True)
-class MediaRange:
-    """One clause of an Accept header."""
-
-    media_type: str
-    params: dict[str, str] = field(default_factory=dict)
-    q: float = 1.0
-
-    @property
-    def conversion(self) -> tuple[str, str, str] | None:
-        """(group, version, kind) asked for by ``g``/``v``/``as``, or None."""
-        if not any(k in self.params for k in _CONVERSION):
-            return None
-        return (self.params.get("g", ""), self.params.get("v", ""), self.params.get("as", ""))
+def _conversion(r: MediaRange) -> tuple[str, str, str] | None:
+    """(group, version, kind) asked for by ``g``/``v``/``as``, or None."""
+    if not any(k in r.params for k in _CONVERSION):
+        return None
+    return (r.params.get("g", ""), r.params.get("v", ""), r.params.get("as", ""))
 
 
 @dataclass(frozen=True)
@@ -48,36 +42,12 @@ class Negotiated:
     version: str = ""
 
 
-def _parse_clause(text: str) -> MediaRange | None:
-    media_type, *raw_params = (p.strip() for p in text.split(";"))
-    if "/" not in media_type:
-        return None
-    params: dict[str, str] = {}
-    q = 1.0
-    for raw in raw_params:
-        key, _, value = raw.partition("=")
-        key, value = key.strip().lower(), value.strip().strip('"')
-        if key == "q":
-            try:
-                q = float(value)
-            except ValueError:
-                q = 0.0
-        elif key:
-            params[key] = value
-    return MediaRange(media_type.lower(), params, q) if q > 0 else None
-
-
 def parse_accept(header: str | None) -> list[MediaRange]:
-    """Media ranges best first: by q, then concrete before wildcard, then more params."""
+    """Media ranges best first: the core parser's order (q, then concrete before
+    wildcard), ranges with more parameters first among equals; no header: ``*/*``."""
     if not header or not header.strip():
         return [MediaRange("*/*")]
-    ranges = [r for r in (_parse_clause(c) for c in header.split(",") if c.strip()) if r]
-
-    def rank(r: MediaRange) -> tuple:
-        main, _, sub = r.media_type.partition("/")
-        return (-r.q, main == "*", sub == "*", -len(r.params))
-
-    return sorted(ranges, key=rank)  # sorted() is stable: equal ranks keep client order
+    return sorted(accept.parse_accept(header), key=lambda r: (*accept.rank(r), -len(r.params)))
 
 
 def _plain_json(r: MediaRange, allow_stream: bool) -> bool:
@@ -97,7 +67,7 @@ def negotiate(header: str | None, conversions: dict[tuple[str, str, str], Negoti
     for r in parse_accept(header):
         if not _plain_json(r, allow_stream):
             continue
-        wanted = r.conversion
+        wanted = _conversion(r)
         if wanted is None:
             if plain:
                 return Negotiated()

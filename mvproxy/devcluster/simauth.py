@@ -37,8 +37,8 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from mvproxy.devcluster.apistatus import status_response
 from mvproxy.errors import ConfigError, Problem, UsageError
-from mvproxy.pki import issued_by_any, load_ca_bundle, subject_identity
 from mvproxy.requestinfo import RequestInfo, parse_request_info
+from mvproxy.tls import issued_by_any, load_ca_bundle, subject_identity
 
 __all__ = [
     "ANONYMOUS",
@@ -207,11 +207,6 @@ class Authenticator:
             MappingProxyType(load_token_file(token_file) if token_file else {}),
             tuple(requestheader_allowed_names),
         )
-
-    def authenticate(self, request: web.Request) -> UserInfo | None:
-        """The authenticated user, or None (no usable credential)."""
-        user, _ = self.authenticate_detail(request)
-        return user
 
     def authenticate_detail(self, request: web.Request) -> tuple[UserInfo | None, bool]:
         """(user or None, whether a presented credential was rejected)."""

@@ -144,7 +144,7 @@ def _require(path: Path, what: str) -> Path:
 
 def _tls_context(pki: Path, server_id: str) -> ssl.SSLContext:
     """Serving certificate of this server; client certificates from either CA, optional."""
-    from mvproxy.pki import server_context
+    from mvproxy.tls import server_context
 
     server_dir = pki / server_id
     cert = _require(server_dir / "apiserver.crt", "serving certificate")
