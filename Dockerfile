@@ -1,6 +1,7 @@
 # mvproxy container image: the daemon's runtime only, run as an unprivileged user.
-# Stage 1 installs the locked dependencies (requirements.lock, every file checked
-# against its sha256) and the wheel of this tree into a virtual environment, then
+# Stage 1 installs the runtime section of the lock (requirements.lock, selected by
+# scripts/lock.py: no test or lint tool; every file checked against its sha256) and
+# the wheel of this tree into a virtual environment, then
 # prunes the simulator (scripts/prune_runtime.py); stage 2 copies only that
 # environment, so no compiler, pip cache, source tree or simulator data reaches the
 # runtime image.
@@ -9,8 +10,10 @@
 FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS build
 WORKDIR /src
 COPY requirements.lock ./
-RUN python -m venv /opt/mvproxy \
- && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps --require-hashes -r requirements.lock
+COPY scripts/lock.py ./scripts/
+RUN python scripts/lock.py select runtime --output runtime-requirements.txt \
+ && python -m venv /opt/mvproxy \
+ && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps --require-hashes -r runtime-requirements.txt
 COPY pyproject.toml README.md ./
 COPY mvproxy ./mvproxy
 COPY scripts/prune_runtime.py ./scripts/

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""The README's commands: ``dev.py demo``, ``dev.py test``, ``dev.py binary``, ``dev.py kubectl``.
+"""The README's commands: ``dev.py demo``, ``test``, ``lint``, ``binary``, ``kubectl``.
 
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
-``$MVPROXY_VENV``), installs the project with its test extra into it when
-``pyproject.toml`` changed since the last install, then runs the command there.
-Extra arguments go to ``mvproxy demo`` or to pytest. ``test`` also installs Chromium
-(Debian's ``chromium``, with apt-get when running as root) for the status page's
-browser test, and promtool (Debian's ``prometheus``) for the alert rules' tests.
+``$MVPROXY_VENV``), installs every distribution in ``requirements.lock`` into it
+(hash-checked, nothing else: the lock holds the test and lint tools and the build
+backend) and mvproxy itself editable, when the lock or ``pyproject.toml`` changed
+since the last install, then runs the command there. Extra arguments go to
+``mvproxy demo`` or to pytest. ``lint`` runs ruff, mypy and import-linter (what
+``.ci/run`` checks before the tests), stopping at the first that fails. ``test`` also
+installs Chromium (Debian's ``chromium``, with apt-get when running as root) for the
+status page's browser test, and promtool (Debian's ``prometheus``) for the alert rules'
+tests.
 ``binary`` builds the standalone executable ``dist/mvproxy`` (see ``build_binary``).
 ``kubectl [X.Y]`` downloads the test suite's pinned kubectl into ``.tools/`` and prints
 its path (for a machine with no kubectl).
@@ -32,11 +36,52 @@ def _bin(name: str) -> Path:
 
 
 def _wanted_stamp() -> str:
-    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    """Changes with the lock (a refreshed lock reinstalls) and with pyproject.toml
+    (entry points, package data: the editable install)."""
+    digest = hashlib.sha256()
+    for name in (LOCK.name, "pyproject.toml"):
+        digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+# Never removed from the venv though the lock may not pin them: mvproxy (installed
+# editable from this tree) and pip (the installer; today the lock pins it, for shiv).
+UNLOCKED = {"mvproxy", "pip"}
+LOCK = ROOT / "requirements.lock"
+
+_INSTALLED = ("import importlib.metadata as m, re;"
+              "print('\\n'.join(sorted({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower()"
+              " for d in m.distributions()})))")
+
+
+def _remove_unlocked(pip: list[str]) -> None:
+    """Uninstall what an older lock put in the venv and this one no longer pins, so
+    the venv holds exactly the lock (plus mvproxy)."""
+    lock = _script("lock")
+    locked = set(lock.entries(LOCK.read_text()))
+    installed = subprocess.run([str(_bin("python")), "-c", _INSTALLED], check=True,
+                               capture_output=True, text=True, timeout=120).stdout.split()
+    stale = sorted(set(installed) - locked - UNLOCKED)
+    if stale:
+        print(f"dev.py: removing what the lock no longer pins: {' '.join(stale)}", flush=True)
+        subprocess.run(pip + ["uninstall", "-y", *stale], check=True, timeout=600)
+
+
+def _script(name: str):
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"mvproxy_dev_{name}",
+                                                  ROOT / "scripts" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def ensure_env() -> None:
-    """Create the virtual environment and install the project, if not done already."""
+    """Create the virtual environment and install the lock and the project, if not
+    done already for this lock and pyproject.toml."""
     if sys.version_info < (3, 11):
         sys.exit(f"mvproxy needs Python 3.11 or newer, this is {sys.version.split()[0]}")
     if not _bin("python").exists():
@@ -44,9 +89,15 @@ def ensure_env() -> None:
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     if STAMP.exists() and STAMP.read_text() == _wanted_stamp():
         return
-    print("dev.py: installing mvproxy and its test dependencies", flush=True)
+    print(f"dev.py: installing {LOCK.name} (hash-checked) and mvproxy", flush=True)
+    STAMP.unlink(missing_ok=True)
     pip = [str(_bin("python")), "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["install", "-e", f"{ROOT}[test]"], check=True)
+    subprocess.run(pip + ["install", "--no-deps", "--require-hashes", "-r", str(LOCK)],
+                   check=True, timeout=1800)
+    # The build backend comes from the lock too: nothing unpinned is downloaded.
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+                   check=True, timeout=600)
+    _remove_unlocked(pip)
     STAMP.write_text(_wanted_stamp())
 
 
@@ -105,8 +156,8 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
     """Build the standalone executable: a shiv zipapp of the daemon and its locked
     dependencies, for this interpreter's CPython version and platform.
 
-    Dependencies come from ``requirements.lock`` (hash-checked, the container image's
-    lock file), mvproxy from a wheel of this tree; the simulator is pruned (as in the
+    Dependencies come from ``requirements.lock``'s runtime section (hash-checked, as
+    in the container image), mvproxy from a wheel of this tree; the simulator is pruned (as in the
     image). The shebang names this minor version (``python3.11``): the binary wheels
     inside (uvloop, httptools, cryptography, ...) load on no other.
     """
@@ -114,8 +165,10 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
     shutil.rmtree(work, ignore_errors=True)
     site, wheels = work / "site-packages", work / "wheels"
     pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
-    _run(*pip, "install", "--no-deps", "--require-hashes", "--target", site,
-         "-r", ROOT / "requirements.lock")
+    work.mkdir(parents=True)
+    runtime = work / "runtime-requirements.txt"
+    _run(sys.executable, ROOT / "scripts" / "lock.py", "select", "runtime", "-o", runtime)
+    _run(*pip, "install", "--no-deps", "--require-hashes", "--target", site, "-r", runtime)
     _run(*pip, "wheel", "--no-deps", "--wheel-dir", wheels, ROOT)
     (wheel,) = wheels.glob("mvproxy-*.whl")
     _run(*pip, "install", "--no-deps", "--upgrade", "--target", site, wheel)
@@ -134,13 +187,37 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
     return output
 
 
+# What .ci/run checks before the tests, in this order; each tool reads its own
+# configuration from pyproject.toml.
+LINTERS = (
+    ("ruff", "check", "mvproxy", "tests", "scripts", "bench"),
+    ("mypy", "mvproxy"),
+    ("lint-imports",),
+)
+
+
+def lint() -> int:
+    """Run the linters from the venv, in the repository root; the first failure's
+    exit status (later ones are not run), else 0."""
+    for tool, *args in LINTERS:
+        print(f"dev.py lint: {tool} {' '.join(args)}", flush=True)
+        done = subprocess.run([str(_bin(tool)), *args], check=False, cwd=ROOT,
+                              timeout=900)
+        if done.returncode:
+            print(f"dev.py lint: {tool} failed (exit status {done.returncode})", flush=True)
+            return done.returncode
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "binary", "kubectl"):
-        print("usage: python3 scripts/dev.py demo|test|binary|kubectl [ARGS...]",
+    if not argv or argv[0] not in ("demo", "test", "lint", "binary", "kubectl"):
+        print("usage: python3 scripts/dev.py demo|test|lint|binary|kubectl [ARGS...]",
               file=sys.stderr)
         return 2
     ensure_env()
     command, rest = argv[0], argv[1:]
+    if command == "lint":
+        return lint()
     if command == "binary":
         build_binary(*(Path(arg).resolve() for arg in rest[:1]))
         return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from scripts_support import script
 
 import mvproxy
 
@@ -56,40 +57,49 @@ def test_every_base_image_is_pinned_by_digest():
         assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", words[1]), words
 
 
+RUNTIME_SELECT = "python scripts/lock.py select runtime --output runtime-requirements.txt"
+
+
 def test_dependencies_install_only_from_the_hash_checked_lock():
     runs = [line for line in _dockerfile_lines() if line.startswith("RUN ")]
-    installs = [part for run in runs for part in run.split("&&") if "pip install" in part]
-    locked = [i for i in installs if "-r requirements.lock" in i]
+    steps = [part.strip() for run in runs for part in run.removeprefix("RUN ").split("&&")]
+    installs = [step for step in steps if "pip install" in step]
+    locked = [i for i in installs if "-r runtime-requirements.txt" in i]
     assert locked and all("--require-hashes" in i for i in locked), installs
+    # That file is the lock's runtime section, selected before it is installed.
+    assert RUNTIME_SELECT in steps and steps.index(RUNTIME_SELECT) < steps.index(locked[0])
     # Anything else pip installs (the wheel of this tree) must not pull dependencies.
     assert all("--no-deps" in i for i in installs), installs
-    assert any(line.startswith("COPY requirements.lock") for line in _dockerfile_lines())
+    copies = [line for line in _dockerfile_lines() if line.startswith("COPY ")]
+    assert "COPY requirements.lock ./" in copies and "COPY scripts/lock.py ./scripts/" in copies
 
 
 def _lock() -> dict[str, tuple[str, list[str]]]:
-    """requirements.lock as name -> (pinned version, hashes)."""
-    text = (ROOT / "requirements.lock").read_text().replace("\\\n", " ")
+    """requirements.lock (both sections) as name -> (pinned version, hashes)."""
     pins = {}
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        requirement = line.split(" --hash=")[0]
-        match = re.fullmatch(r"([A-Za-z0-9._-]+)==([^ ;]+)\s*(;.*)?", requirement.strip())
+    for name, entry in script("lock").entries((ROOT / "requirements.lock").read_text()).items():
+        line = entry.replace("\\\n", " ")
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==([^ ;]+)\s*(;.*)?",
+                             line.split(" --hash=")[0].strip())
         assert match, f"not an exact pin: {line!r}"
-        pins[canonicalize_name(match[1])] = (match[2], re.findall(r"--hash=sha256:(\w{64})",
-                                                                  line))
+        pins[name] = (match[2], re.findall(r"--hash=sha256:(\w{64})", line))
     return pins
 
 
-def test_the_lock_pins_every_runtime_dependency_with_hashes():
+def test_the_lock_pins_every_dependency_with_hashes():
+    """Runtime, every extra and the build backend: an install from the lock needs
+    nothing else."""
     import tomllib
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    wanted = [*project["dependencies"], *pyproject["build-system"]["requires"],
+              *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    assert set(project["optional-dependencies"]) == {"test", "lint"}
     lock = _lock()
     for name, (_, hashes) in lock.items():
         assert hashes, f"{name} has no --hash in requirements.lock"
-    for text in project["dependencies"]:
+    for text in wanted:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
         assert name in lock, f"{name} (pyproject.toml) is missing from requirements.lock"
@@ -113,8 +123,11 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    _pip(python, "install", "--no-deps", "--require-hashes", "-r",
-         str(ROOT / "requirements.lock"))
+    # The Dockerfile's selection of the lock's runtime section, then its install.
+    runtime = tmp_path / "runtime-requirements.txt"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "lock.py"), "select", "runtime",
+                    "--output", str(runtime)], check=True, timeout=60)
+    _pip(python, "install", "--no-deps", "--require-hashes", "-r", str(runtime))
     _pip(python, "install", "--no-deps", str(wheel))
     site = Path(subprocess.run([str(python), "-c", "import sysconfig;"
                                 "print(sysconfig.get_path('purelib'))"], capture_output=True,

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""The one lock file, ``requirements.lock``: refresh it, or select its runtime section.
+
+``requirements.lock`` pins, with the sha256 of every published file, everything a
+development environment installs: the daemon's runtime dependencies, the ``test`` and
+``lint`` extras and the build backend (so ``pip install --no-build-isolation -e .``
+downloads nothing unpinned). It is one valid requirements file in two sections, each
+opened by a marker comment:
+
+* ``# [runtime]``: ``pyproject.toml``'s ``dependencies`` and everything they need. The
+  container image and the standalone binary install only this section
+  (``lock.py select runtime``), so no test or lint tool reaches them.
+* ``# [dev]``: the rest, for ``scripts/dev.py`` and ``.ci/run`` (which install it all).
+
+``python3 scripts/lock.py refresh [--upgrade]`` regenerates it with pip-tools, in two
+resolutions: the runtime dependencies alone, then everything constrained to those
+runtime pins, so a runtime package has the same version in both sections. Existing
+pins are kept where they still satisfy ``pyproject.toml`` (pip-compile's behaviour);
+``--upgrade`` takes the newest releases instead. It needs CPython 3.11 (the version
+the lock is for) and PyPI; pip's local configuration (mirrors, find-links) is ignored
+so every published file's hash is recorded. Stdlib only: the image's build stage runs
+``select`` with a bare interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = ROOT / "requirements.lock"
+PIP_TOOLS = "pip-tools==7.6.2"
+INDEX = "https://pypi.org/simple"
+SECTIONS = ("runtime", "dev")
+REFRESH = "python3 scripts/lock.py refresh"
+HEADER = f"""\
+# requirements.lock: the one lock file (see scripts/lock.py). Every distribution a
+# development environment installs, pinned for CPython 3.11 with the sha256 of every
+# published file. Generated, do not edit; after changing dependencies, extras or
+# build-system.requires in pyproject.toml, refresh it (CPython 3.11, PyPI) with:
+#
+#    {REFRESH}            # keep pins that still satisfy pyproject.toml
+#    {REFRESH} --upgrade  # newest releases
+#
+# Consumers: scripts/dev.py and .ci/run install all of it (--require-hashes); the
+# Dockerfile and `dev.py binary` only the [runtime] section (scripts/lock.py select).
+"""
+SECTION_NOTES = {
+    "runtime": "pyproject.toml's dependencies and all they need (image, binary)",
+    "dev": "the test and lint extras, the build backend (dev.py, .ci/run)",
+}
+_PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+
+
+def canonical(name: str) -> str:
+    """PEP 503 normalized name (what pip compares)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def entries(text: str) -> dict[str, str]:
+    """A pip-compile output (or a section of the lock) as canonical name -> its
+    entry: the pin line and its indented hash and annotation lines, verbatim."""
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line[:1].isspace() and current is not None:
+            current.append(line)
+            continue
+        current = None
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = _PIN.match(line)
+        if not match:
+            raise ValueError(f"not an exact pin: {line!r}")
+        current = found[canonical(match[1])] = [line]
+    return {name: "\n".join(lines) for name, lines in found.items()}
+
+
+def pin(entry: str) -> str:
+    """An entry's requirement alone (``name==version`` and its marker, no hashes)."""
+    return entry.splitlines()[0].rstrip(" \\")
+
+
+def version(entry: str) -> str:
+    match = _PIN.match(entry)
+    assert match, entry
+    return match[2]
+
+
+def sections(text: str) -> dict[str, dict[str, str]]:
+    """The lock's sections, each as ``entries``; fails when a marker is missing."""
+    parts = re.split(r"^# \[(\w+)\].*$", text, flags=re.MULTILINE)
+    found = {name: entries(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    if tuple(found) != SECTIONS or entries(parts[0]):
+        raise ValueError(f"requirements.lock must hold exactly the sections {SECTIONS} "
+                         f"in that order, found {tuple(found)}; run `{REFRESH}`")
+    return found
+
+
+def assemble(runtime: str, everything: str) -> str:
+    """The lock's text from the two pip-compile outputs: the runtime resolution, and
+    the full one (which must agree on every runtime pin)."""
+    run, full = entries(runtime), entries(everything)
+    for name, entry in run.items():
+        if name not in full or version(full[name]) != version(entry):
+            raise ValueError(f"{name}: runtime pin {version(entry)} differs from the full "
+                             f"resolution's {version(full[name]) if name in full else None}")
+    dev = {name: entry for name, entry in full.items() if name not in run}
+    out = [HEADER]
+    for section, chosen in (("runtime", run), ("dev", dev)):
+        out.append(f"# [{section}] {SECTION_NOTES[section]}\n")
+        out.extend(chosen[name] + "\n" for name in sorted(chosen))
+    return "".join(out)
+
+
+def select(text: str, section: str) -> str:
+    """One section of the lock as a requirements file of its own."""
+    chosen = sections(text)[section]
+    return (f"# The [{section}] section of requirements.lock (scripts/lock.py select)\n"
+            + "".join(chosen[name] + "\n" for name in sorted(chosen)))
+
+
+def _pip_compile(scratch: Path) -> list[str]:
+    """A command running pip-compile: this interpreter's, else that of a venv made
+    in ``scratch`` (removed with it)."""
+    if importlib.util.find_spec("piptools"):
+        return [sys.executable, "-m", "piptools", "compile"]
+    where = scratch / "piptools-venv"
+    venv.EnvBuilder(with_pip=True).create(where)
+    subprocess.run([str(where / "bin" / "python"), "-m", "pip", "install", "-q",
+                    "--index-url", INDEX, PIP_TOOLS], check=True, env=_isolated_env(),
+                   timeout=600)
+    return [str(where / "bin" / "python"), "-m", "piptools", "compile"]
+
+
+def _isolated_env() -> dict[str, str]:
+    """pip without this machine's configuration: PyPI only, all hashes recorded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull}
+
+
+def refresh(upgrade: bool = False) -> None:
+    if sys.version_info[:2] != (3, 11):
+        sys.exit(f"lock.py refresh: run it with CPython 3.11 (the lock's version), "
+                 f"this is {sys.version.split()[0]}")
+    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "build-system"]["requires"]
+    with tempfile.TemporaryDirectory(prefix="mvproxy-lock-") as tmp_name:
+        tmp = Path(tmp_name)
+        compile_ = _pip_compile(tmp) + [
+            "--quiet", "--no-header", "--generate-hashes", "--allow-unsafe",
+            "--strip-extras", "--no-emit-index-url", "--no-emit-find-links",
+            "--index-url", INDEX, *(["--upgrade"] if upgrade else [])]
+        runtime, everything = tmp / "runtime.txt", tmp / "everything.txt"
+        for seed in (runtime, everything):  # pip-compile keeps the pins it finds there
+            if LOCK.exists():
+                shutil.copyfile(LOCK, seed)
+        subprocess.run(compile_ + ["--output-file", str(runtime), "pyproject.toml"],
+                       cwd=ROOT, check=True, env=_isolated_env(), timeout=1800)
+        pins = tmp / "runtime-pins.txt"
+        pins.write_text("".join(pin(e) + "\n" for e in entries(runtime.read_text()).values()))
+        build = tmp / "build-system.in"
+        build.write_text(f"-c {pins}\n" + "".join(f"{r}\n" for r in build_requires))
+        subprocess.run(compile_ + ["--extra", "test", "--extra", "lint", "--output-file",
+                                   str(everything), "pyproject.toml", str(build)],
+                       cwd=ROOT, check=True, env=_isolated_env(), timeout=1800)
+        text = assemble(runtime.read_text(), everything.read_text())
+    LOCK.write_text(text.replace(f"{tmp_name}/", ""))
+    print(f"lock.py: wrote {LOCK}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lock.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    fresh = sub.add_parser("refresh", help="regenerate requirements.lock (needs PyPI)")
+    fresh.add_argument("--upgrade", action="store_true", help="newest releases")
+    pick = sub.add_parser("select", help="print one section as a requirements file")
+    pick.add_argument("section", choices=SECTIONS)
+    pick.add_argument("--lock", type=Path, default=LOCK)
+    pick.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
+    args = parser.parse_args(argv)
+    if args.command == "refresh":
+        refresh(args.upgrade)
+        return 0
+    text = select(args.lock.read_text(), args.section)
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
