@@ -31,10 +31,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from mvproxy import discovery, routing  # noqa: E402
-from mvproxy.cache import DiscoveryCache  # noqa: E402
-from mvproxy.discovery import Snapshot  # noqa: E402
-from mvproxy.requestinfo import parse_request_info  # noqa: E402
+from mvproxy import discovery, routing  # noqa: E402 - after the sys.path insert
+from mvproxy.cache import DiscoveryCache  # noqa: E402 - after the sys.path insert
+from mvproxy.discovery import Snapshot  # noqa: E402 - after the sys.path insert
+from mvproxy.requestinfo import parse_request_info  # noqa: E402 - after the sys.path insert
 
 
 def group(name: str, version: str = "v1") -> dict:

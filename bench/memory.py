@@ -132,14 +132,17 @@ async def open_idle(port: int, ctx: ssl.SSLContext, path: str, count: int):
     return held
 
 
-async def measure(args: argparse.Namespace, root: Path) -> dict:
+def measure(args: argparse.Namespace, root: Path) -> dict:
+    """Start a backend and mvproxy, measure them (``_measure``), stop them. Starting and
+    stopping processes blocks, so it happens here, outside the event loop."""
     devpki.init_pki(root / "pki", ["a"], days=2)
     p = root / "pki"
     backend_port, port, admin = free_port(), free_port(), free_port()
     config = {
         "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
         "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
-        "tlsCertFile": str(p / "a" / "mvproxy.crt"), "tlsPrivateKeyFile": str(p / "a" / "mvproxy.key"),
+        "tlsCertFile": str(p / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(p / "a" / "mvproxy.key"),
         "clientCAFile": str(p / "ca.crt"),
         "backend": {"url": f"https://127.0.0.1:{backend_port}", "caFile": str(p / "ca.crt"),
                     "certFile": str(p / "a" / "front-proxy-client.crt"),
@@ -160,24 +163,9 @@ async def measure(args: argparse.Namespace, root: Path) -> dict:
                                    str(root / "mvproxy.yaml"), "-v", "1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(daemon)
-        await wait_port(backend_port)
-        await wait_port(port)
         ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
         ctx.load_cert_chain(p / "admin.crt", p / "admin.key")
-        await open_idle(port, ctx, "/api/v1/namespaces/default/configmaps/bench", 50)  # warm-up
-        base = await settled_rss(daemon.pid)
-        idle = await open_idle(port, ctx, "/api/v1/namespaces/default/configmaps/bench",
-                               args.connections)
-        with_idle = await settled_rss(daemon.pid)
-        watches = await open_idle(port, ctx, "/api/v1/configmaps?watch=true", args.connections)
-        with_watches = await settled_rss(daemon.pid)
-        cpu_before = cpu_seconds(daemon.pid)
-        await asyncio.sleep(args.idle)
-        idle_cpu = (cpu_seconds(daemon.pid) - cpu_before) / args.idle
-        for writer in idle + watches:
-            writer.close()
-        await asyncio.sleep(4)  # the daemon returns freed memory ~2 s after a large drop
-        after = await settled_rss(daemon.pid)
+        return asyncio.run(_measure(args, daemon.pid, ctx, backend_port, port))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -187,6 +175,26 @@ async def measure(args: argparse.Namespace, root: Path) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+async def _measure(args: argparse.Namespace, pid: int, ctx: ssl.SSLContext,
+                   backend_port: int, port: int) -> dict:
+    await wait_port(backend_port)
+    await wait_port(port)
+    await open_idle(port, ctx, "/api/v1/namespaces/default/configmaps/bench", 50)  # warm-up
+    base = await settled_rss(pid)
+    idle = await open_idle(port, ctx, "/api/v1/namespaces/default/configmaps/bench",
+                           args.connections)
+    with_idle = await settled_rss(pid)
+    watches = await open_idle(port, ctx, "/api/v1/configmaps?watch=true", args.connections)
+    with_watches = await settled_rss(pid)
+    cpu_before = cpu_seconds(pid)
+    await asyncio.sleep(args.idle)
+    idle_cpu = (cpu_seconds(pid) - cpu_before) / args.idle
+    for writer in idle + watches:
+        writer.close()
+    await asyncio.sleep(4)  # the daemon returns freed memory ~2 s after a large drop
+    after = await settled_rss(pid)
     n = args.connections
     return {
         "connections": n, "baseline_rss_kib": base,
@@ -208,7 +216,7 @@ def main() -> int:
     if hard < 3 * args.connections + 100:
         raise SystemExit(f"the open-file limit ({hard}) is too low for {args.connections}")
     with tempfile.TemporaryDirectory(prefix="mvproxy-bench-memory-") as tmp:
-        result = asyncio.run(measure(args, Path(tmp)))
+        result = measure(args, Path(tmp))
     print(f"{'measure':34} value")
     for key, value in result.items():
         print(f"{key:34} {value}")

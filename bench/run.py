@@ -85,7 +85,7 @@ def ensure_tools() -> None:
 
 def ensure_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - only whether it imports
         return True
     except ImportError:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"],
@@ -143,7 +143,8 @@ def discovery(core: bool, podgroups: bool) -> bytes:
     if core:
         items = [{"metadata": {}, "versions": [{"version": "v1", "freshness": "Current",
                                                 "resources": [resource("configmaps", "ConfigMap"),
-                                                              resource("namespaces", "Namespace")]}]}]
+                                                              resource("namespaces",
+                                                                       "Namespace")]}]}]
     else:
         items = [{"metadata": {"name": "apps"}, "versions": [
             {"version": "v1", "freshness": "Current",
@@ -394,7 +395,8 @@ class Bench:
                               preexec_fn=pin(LOAD_CPU), timeout=seconds + 60)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
-            raise SystemExit(f"bench: wrk failed on {url}: {done.stdout[-500:]} {done.stderr[-500:]}")
+            raise SystemExit(f"bench: wrk failed on {url}: "
+                             f"{done.stdout[-500:]} {done.stderr[-500:]}")
         return json.loads(lines[-1])
 
     def measure(self, scenario: str, target: str, round_: int, url: str, pids: list[int],
@@ -587,16 +589,19 @@ def summarize(runs: list[Run], soak: dict, profile: list[str], libraries: list[s
             })
     return {"rows": rows, "runs": [r.__dict__ for r in runs],
             "soak": soak,
-            "profile_top": profile, "profile_libraries": libraries, "when": time.strftime("%Y-%m-%d %H:%M"),
+            "profile_top": profile, "profile_libraries": libraries,
+            "when": time.strftime("%Y-%m-%d %H:%M"),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
 
 
 TARGETS = [
     ("small", "mvproxy", "cpu_efficiency", 0.5, "local small GET, CPU efficiency × nginx ≥ 0.5"),
-    ("large", "mvproxy", "cpu_efficiency", 0.85, "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
+    ("large", "mvproxy", "cpu_efficiency", 0.85,
+     "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
     ("handshake", "mvproxy", "cpu_efficiency", 0.8, "mTLS handshake per request, × nginx ≥ 0.8"),
     ("peer", "mvproxy peer", "rps_ratio", 0.5, "peer route req/s ≥ 0.5 × local route"),
-    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5, "merged /apis, × nginx serving the file ≥ 0.5"),
+    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5,
+     "merged /apis, × nginx serving the file ≥ 0.5"),
 ]
 
 
@@ -642,9 +647,9 @@ def chart(result: dict, path: Path) -> bool:
     values = [r["cpu_efficiency"][0] if r["scenario"] != "peer" else r["rps_ratio"][0]
               for r in rows]
     errs = [[v - (r["cpu_efficiency"][1] if r["scenario"] != "peer" else r["rps_ratio"][1])
-             for v, r in zip(values, rows)],
+             for v, r in zip(values, rows, strict=True)],
             [(r["cpu_efficiency"][2] if r["scenario"] != "peer" else r["rps_ratio"][2]) - v
-             for v, r in zip(values, rows)]]
+             for v, r in zip(values, rows, strict=True)]]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar(labels, values, yerr=errs, color="#4a78b0", capsize=4)
     ax.axhline(1.0, color="#888", linewidth=1)

@@ -84,9 +84,16 @@ NAMED_SOURCES = frozenset(("lease", "dns"))
 certificate: anyone allowed to write a Lease (or a DNS record) chose their address."""
 
 
-def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None):
-    """A function giving the current peers as Upstreams, rebuilt only when they change."""
+def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None
+                    ) -> Callable[[], Mapping[str, Upstream]]:
+    """A function giving the current peers as Upstreams, rebuilt only when they change.
+
+    Without peer TLS material no peer can be reached; there are none then, since the
+    configuration requires the peer files for any membership source, and a reload does
+    not add static peers live to a daemon started without them."""
     cached: dict[tuple[Peer, ...], Mapping[str, Upstream]] = {}
+    if peer_ssl is None:
+        return lambda: {}
 
     def current() -> Mapping[str, Upstream]:
         peers = membership.peers()
@@ -277,7 +284,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None):
         if dns_task is not None:
             dns_task.cancel()
             await asyncio.gather(dns_task, return_exceptions=True)
-        if lease_task is not None:  # first: peers stop routing here while we drain
+        # Leases first: peers stop routing here while we drain.
+        if leases is not None and lease_task is not None:
             lease_task.cancel()
             await asyncio.gather(lease_task, return_exceptions=True)
             if leases.hold:

@@ -139,7 +139,8 @@ def _index(peers: Mapping[str, ServerState]):
             capable_gv.setdefault(gv, []).append(peer_id)
         for group in {g for g, _ in snapshot.group_versions}:
             capable_group.setdefault(group, []).append(peer_id)
-    freeze = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})  # noqa: E731
+    def freeze(d: dict) -> Mapping:
+        return MappingProxyType({k: tuple(v) for k, v in d.items()})
     return freeze(capable), freeze(capable_gv), freeze(capable_group)
 
 

@@ -249,8 +249,7 @@ class DaemonTLS:
 
     def __init__(self, cfg: Config, identity: IdentityResolver,
                  on_refused: Callable[[str], None] | None = None):
-        self.listener = self.backend = self.backend_anonymous = None
-        self.peer: tls.SwappableContext | None = None
+        self._contexts: dict[str, tls.SwappableContext] = {}
         units = [self._listener_unit(cfg, identity), self._backend_unit(cfg)]
         if cfg.peers or cfg.peer.cert_file:
             units.append(self._peer_unit(cfg))
@@ -258,6 +257,32 @@ class DaemonTLS:
             units, problems=lambda settings: preflight.material_problems(cfg, settings),
             on_refused=on_refused)
         self.reloader.load()
+
+    # load() above built every unit's context or raised: the first three always exist.
+    @property
+    def listener(self) -> tls.SwappableContext:
+        return self._contexts["listener"]
+
+    @property
+    def backend(self) -> tls.SwappableContext:
+        return self._contexts["backend"]
+
+    @property
+    def backend_anonymous(self) -> tls.SwappableContext:
+        return self._contexts["backend-anonymous"]
+
+    @property
+    def peer(self) -> tls.SwappableContext | None:
+        """None: started without peer TLS material (no peers configured)."""
+        return self._contexts.get("peer")
+
+    def _swap(self, name: str, ctx: ssl.SSLContext) -> None:
+        """The first load makes the holder; later ones replace what it holds."""
+        holder = self._contexts.get(name)
+        if holder is None:
+            self._contexts[name] = tls.SwappableContext(ctx)
+        else:
+            holder.context = ctx
 
     def _listener_unit(self, cfg: Config, identity: IdentityResolver) -> Unit:
         def build() -> Material:
@@ -267,9 +292,7 @@ class DaemonTLS:
             ctx = listener_context(cfg)
 
             def apply() -> None:
-                if self.listener is None:
-                    self.listener = tls.SwappableContext(ctx)
-                self.listener.context = ctx
+                self._swap("listener", ctx)
                 identity.use_cas(client_cas, peer_cas)
             return Material(apply, (serving, *client_exp, *peer_exp))
         return Unit("listener", files=(cfg.tls_cert_file, cfg.tls_private_key_file,
@@ -287,10 +310,8 @@ class DaemonTLS:
             anonymous = tls.client_context(b.ca_file)
 
             def apply() -> None:
-                if self.backend is None:
-                    self.backend = tls.SwappableContext(ctx)
-                    self.backend_anonymous = tls.SwappableContext(anonymous)
-                self.backend.context, self.backend_anonymous.context = ctx, anonymous
+                self._swap("backend", ctx)
+                self._swap("backend-anonymous", anonymous)
             return Material(apply, (*leaf, *ca_exp))
         return Unit("backend", files=(b.cert_file, b.key_file, b.ca_file),
                     settings=("backend.certFile", "backend.caFile"),
@@ -305,9 +326,7 @@ class DaemonTLS:
             ctx = tls.client_context(p.ca_file, p.cert_file, p.key_file)
 
             def apply() -> None:
-                if self.peer is None:
-                    self.peer = tls.SwappableContext(ctx)
-                self.peer.context = ctx
+                self._swap("peer", ctx)
             return Material(apply, (*leaf, *ca_exp))
         # peer.clientCAFile is read too: this certificate must chain to it (preflight).
         return Unit("peer", files=(p.cert_file, p.key_file, p.ca_file, p.client_ca_file),

@@ -56,14 +56,18 @@ def parse_duration(text: str) -> float:
     mean seconds or milliseconds, and guessing wrong is a silent 1000× error.
     """
     if isinstance(text, str) and re.fullmatch(r"\d+(?:\.\d*)?|\.\d+", text):
-        raise ValueError(f"invalid duration {text!r}: a unit is required (h, m, s or ms), {_DURATION_EXAMPLES}")
+        raise ValueError(f"invalid duration {text!r}: a unit is required (h, m, s or ms), "
+                         f"{_DURATION_EXAMPLES}")
     if not isinstance(text, str) or not _DURATION.fullmatch(text):
-        raise ValueError(f"invalid duration {text!r}: expected numbers with units (h, m, s, ms), {_DURATION_EXAMPLES}")
-    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(text))
+        raise ValueError(f"invalid duration {text!r}: expected numbers with units "
+                         f"(h, m, s, ms), {_DURATION_EXAMPLES}")
+    return sum(float(number) * _DURATION_UNITS[unit]
+               for number, unit in _DURATION_PART.findall(text))
 
 
 def format_duration(seconds: float) -> str:
-    """Render seconds the way ``parse_duration`` reads them: 90.0 → ``1m30s``, 0.5 → ``500ms``."""
+    """Render seconds the way ``parse_duration`` reads them: 90.0 → ``1m30s``,
+    0.5 → ``500ms``."""
     if 0 < seconds < 1:
         return f"{seconds * 1000:g}ms"
     hours, rest = divmod(seconds, 3600)
@@ -89,7 +93,8 @@ class _Invalid(Exception):
 
 @dataclass
 class _Context:
-    """What the walker needs besides the document: where paths are relative to, and the sink for problems."""
+    """What the walker needs besides the document: where paths are relative to, and the
+    sink for problems."""
 
     file_dir: str | None
     """Directory of the configuration file; None when there is no file."""
@@ -107,7 +112,8 @@ class _Context:
         return os.path.normpath(os.path.join(self.file_dir, name))
 
     def _from_override(self, path: str) -> bool:
-        return any(path == key or path.startswith((key + ".", key + "[")) for key in self.override_keys)
+        return any(path == key or path.startswith((key + ".", key + "["))
+                   for key in self.override_keys)
 
 
 Parser = Callable[[Any, str, _Context], Any]
@@ -207,7 +213,8 @@ def _integer(low: int, high: int | None = None) -> Parser:
 def _duration(*, allow_zero: bool = False) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> float:
         if not isinstance(value, str):
-            raise _Invalid(f"must be a duration with a unit, {_DURATION_EXAMPLES}, got {describe(value)}")
+            raise _Invalid(f"must be a duration with a unit, {_DURATION_EXAMPLES}, "
+                           f"got {describe(value)}")
         try:
             seconds = parse_duration(value)
         except ValueError as error:
@@ -228,8 +235,9 @@ def _boolean(value: object, path: str, ctx: _Context) -> bool:
 def _choice(*options: str) -> Parser:
     def parse(value: object, path: str, ctx: _Context) -> str:
         if value not in options:
-            raise _Invalid(f"must be one of {', '.join(map(repr, options))}, got {describe(value)}")
-        return value  # type: ignore[return-value]
+            raise _Invalid(f"must be one of {', '.join(map(repr, options))}, "
+                           f"got {describe(value)}")
+        return value
 
     return parse
 
@@ -240,7 +248,8 @@ def _list_of(item: Parser, *, non_empty: bool = False) -> Parser:
             raise _Invalid(f"must be a list, got {describe(value)}")
         if non_empty and not value:
             raise _Invalid("must not be empty")
-        return tuple(_run(item, element, f"{path}[{index}]", ctx) for index, element in enumerate(value))
+        return tuple(_run(item, element, f"{path}[{index}]", ctx)
+                     for index, element in enumerate(value))
 
     return parse
 
@@ -250,7 +259,8 @@ def _list_of(item: Parser, *, non_empty: bool = False) -> Parser:
 # ---------------------------------------------------------------------------
 
 
-def _key(name: str, parse: Parser, *, derive: tuple[str, Callable[[Any], Any]] | None = None, **kwargs: Any) -> Any:
+def _key(name: str, parse: Parser, *, derive: tuple[str, Callable[[Any], Any]] | None = None,
+         **kwargs: Any) -> Any:
     """A dataclass field read from YAML key ``name`` by ``parse``.
 
     ``derive=(attr, fn)`` computes the value as ``fn(<value of attr>)`` when the key is
@@ -278,7 +288,8 @@ class _Section:
         if not isinstance(raw, dict):
             raise _Invalid(f"must be a mapping, got {describe(raw)}")
         self._report_unknown_keys(raw, path, ctx)
-        values = {f.name: self._parse_key(raw, key, f, _join(path, key), ctx) for key, f in self.fields.items()}
+        values = {f.name: self._parse_key(raw, key, f, _join(path, key), ctx)
+                  for key, f in self.fields.items()}
         self._derive(values)
         if check := _CHECKS.get(self.cls):
             check(values, path, ctx)
@@ -291,7 +302,8 @@ class _Section:
                 ctx.add(_join(path, str(key)), "unknown key" + _did_you_mean(str(key), known))
 
     @staticmethod
-    def _parse_key(raw: dict[Any, Any], key: str, f: dataclasses.Field[Any], path: str, ctx: _Context) -> Any:
+    def _parse_key(raw: dict[Any, Any], key: str, f: dataclasses.Field[Any], path: str,
+                   ctx: _Context) -> Any:
         parse = f.metadata["parse"]
         if raw.get(key) is not None:  # YAML null means "not set", as in Kubernetes objects
             return _run(parse, raw[key], path, ctx)
@@ -454,7 +466,8 @@ class DiscoveryConfig:
     poll_interval: float = _key("pollInterval", _duration(), default=5.0)
     """Seconds between polls of each server (5s). ETags make an unchanged poll cheap, and
     a new version appears within one interval during an upgrade."""
-    stale_after: float = _key("staleAfter", _duration(), default=15.0, derive=("poll_interval", lambda poll: 3 * poll))
+    stale_after: float = _key("staleAfter", _duration(), default=15.0,
+                              derive=("poll_interval", lambda poll: 3 * poll))
     """Seconds without a successful poll before a peer's group/versions are served with
     ``freshness: Stale`` (default 3 × poll_interval: one lost poll is not an outage).
     Must be >= poll_interval."""
@@ -463,7 +476,8 @@ class DiscoveryConfig:
     """Seconds without a successful poll before a peer's snapshot is dropped (default
     max(10m, stale_after)). Long, so a restarting peer does not make its resources look
     deleted. Must be >= stale_after."""
-    timeout: float = _key("timeout", _duration(), default=5.0, derive=("poll_interval", lambda poll: min(5.0, poll)))
+    timeout: float = _key("timeout", _duration(), default=5.0,
+                          derive=("poll_interval", lambda poll: min(5.0, poll)))
     """Seconds one poll may take (default min(5s, poll_interval)), so a hung peer cannot
     delay the next round."""
     max_document_bytes: int = _key("maxDocumentBytes", _integer(1), default=32 * 1024 * 1024)
@@ -473,7 +487,8 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdminConfig:
-    """The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``, ``/debug/mvproxy``."""
+    """The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``,
+    ``/debug/mvproxy``."""
 
     bind_address: str = _key("bindAddress", _ip_address, default="127.0.0.1")
     """IP address the admin listener binds (127.0.0.1): it is unauthenticated plain HTTP."""
@@ -502,7 +517,8 @@ class TimeoutsConfig:
     request: float = _key("request", _duration(), default=60.0)
     """Seconds a short (non-watch) upstream request may take in total (60s), matching
     kube-apiserver's default ``--request-timeout``."""
-    shutdown_grace_period: float = _key("shutdownGracePeriod", _duration(allow_zero=True), default=30.0)
+    shutdown_grace_period: float = _key("shutdownGracePeriod", _duration(allow_zero=True),
+                                        default=30.0)
     """Seconds SIGTERM waits for in-flight requests before closing them (30s; 0: at once)."""
     shutdown_delay: float = _key("shutdownDelay", _duration(allow_zero=True), default=0.0)
     """Seconds between SIGTERM and closing the listener (0s, kube-apiserver's
@@ -521,7 +537,8 @@ class ListenerConfig:
     (32s). Slow or silent clients are closed instead of holding a connection."""
     idle_timeout: float = _key("idleTimeout", _duration(), default=90.0)
     """Seconds a keep-alive connection may wait for its next request (90s)."""
-    max_header_bytes: int = _key("maxHeaderBytes", _integer(1024, 64 * 1024 * 1024), default=1 << 20)
+    max_header_bytes: int = _key("maxHeaderBytes", _integer(1024, 64 * 1024 * 1024),
+                                 default=1 << 20)
     """Largest request line plus header fields, in bytes (1048576 = 1 MiB); larger gets 431."""
     max_connections: int = _key("maxConnections", _integer(0), default=0)
     """Downstream connections open at once (0: derived from the open-file limit, half of
@@ -566,15 +583,18 @@ class Config:
     membership: PeersConfig = _key("peers", _Section(PeersConfig), default_factory=PeersConfig)
     """Membership sources, YAML ``peers`` (``static``, ``leases``, ``dns``)."""
 
-    discovery: DiscoveryConfig = _key("discovery", _Section(DiscoveryConfig), default_factory=DiscoveryConfig)
+    discovery: DiscoveryConfig = _key("discovery", _Section(DiscoveryConfig),
+                                      default_factory=DiscoveryConfig)
     """Discovery polling intervals and limits."""
     admin: AdminConfig = _key("admin", _Section(AdminConfig), default_factory=AdminConfig)
     """Admin (metrics and health) listener."""
     logging: LoggingConfig = _key("logging", _Section(LoggingConfig), default_factory=LoggingConfig)
     """Log format and verbosity."""
-    timeouts: TimeoutsConfig = _key("timeouts", _Section(TimeoutsConfig), default_factory=TimeoutsConfig)
+    timeouts: TimeoutsConfig = _key("timeouts", _Section(TimeoutsConfig),
+                                    default_factory=TimeoutsConfig)
     """Upstream connect/request timeouts and the shutdown grace period."""
-    listener: ListenerConfig = _key("listener", _Section(ListenerConfig), default_factory=ListenerConfig)
+    listener: ListenerConfig = _key("listener", _Section(ListenerConfig),
+                                    default_factory=ListenerConfig)
     """Limits of the downstream listener: header and idle timeouts, sizes, connections."""
     certificates: CertificatesConfig = _key("certificates", _Section(CertificatesConfig),
                                             default_factory=CertificatesConfig)
@@ -609,8 +629,9 @@ def _check_backend(v: dict[str, Any], path: str, ctx: _Context) -> None:
 def _check_leases(v: dict[str, Any], path: str, ctx: _Context) -> None:
     duration, renew = v["lease_duration"], v["renew_period"]
     if _valid(duration, renew) and renew >= duration:
-        ctx.add(_join(path, "renewPeriod"), f"must be < leaseDuration ({format_duration(duration)}), "
-                                            f"got {format_duration(renew)!r}")
+        ctx.add(_join(path, "renewPeriod"),
+                f"must be < leaseDuration ({format_duration(duration)}), "
+                f"got {format_duration(renew)!r}")
 
 
 def _check_peers_section(v: dict[str, Any], path: str, ctx: _Context) -> None:
@@ -619,14 +640,16 @@ def _check_peers_section(v: dict[str, Any], path: str, ctx: _Context) -> None:
         _report_duplicates(v["static"], "url", "url", _join(path, "static"), ctx)
 
 
-def _report_duplicates(items: tuple[Any, ...], attr: str, key: str, path: str, ctx: _Context) -> None:
+def _report_duplicates(items: tuple[Any, ...], attr: str, key: str, path: str,
+                       ctx: _Context) -> None:
     first_index: dict[object, int] = {}
     for index, item in enumerate(items):
         value = getattr(item, attr, _INVALID)
         if value is _INVALID:
             continue
         if value in first_index:
-            ctx.add(f"{path}[{index}].{key}", f"duplicate {value!r} (already used by {path}[{first_index[value]}])")
+            ctx.add(f"{path}[{index}].{key}",
+                    f"duplicate {value!r} (already used by {path}[{first_index[value]}])")
         first_index.setdefault(value, index)
 
 
@@ -655,7 +678,8 @@ def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
                 ctx.add(f"peer.{key}", "required when peers are configured")
     for index, static in enumerate(peers):
         if _valid(v["server_id"], static) and static.server_id == v["server_id"]:
-            ctx.add(f"peers.static[{index}].serverID", f"must differ from the top-level serverID {v['server_id']!r}")
+            ctx.add(f"peers.static[{index}].serverID",
+                    f"must differ from the top-level serverID {v['server_id']!r}")
 
 
 def _check_dynamic(v: dict[str, Any], ctx: _Context) -> None:
@@ -721,7 +745,8 @@ def _apply_overrides(document: dict[Any, Any], flags: Mapping[str, object], ctx:
             node[leaf] = value
 
 
-def _descend(document: dict[Any, Any], parents: list[str], dotted: str, ctx: _Context) -> dict[Any, Any] | None:
+def _descend(document: dict[Any, Any], parents: list[str], dotted: str,
+             ctx: _Context) -> dict[Any, Any] | None:
     """Walk to the mapping that holds an override's leaf, creating missing mappings."""
     node = document
     for depth, part in enumerate(parents):

@@ -17,7 +17,8 @@ from mvproxy.config import Config, describe, from_document
 from mvproxy.errors import ConfigError, Problem
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, object] | None = None) -> Config:
+def load_config(path: str | os.PathLike[str] | None,
+                overrides: Mapping[str, object] | None = None) -> Config:
     """Read, override, validate: the only way a ``Config`` should be made outside tests.
 
     ``path`` None means no file (flags only). Raises ``ConfigError`` listing every
@@ -42,7 +43,8 @@ class _StrictLoader(yaml.SafeLoader):
             if not isinstance(key, (str, int, float, bool)):
                 continue  # unhashable keys are reported later as unknown keys
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                        key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -52,7 +54,8 @@ def _read_document(source: str) -> dict[Any, Any]:
         with open(source, "rb") as file:
             data = file.read()
     except OSError as error:
-        raise ConfigError(source, [Problem(source, f"cannot read the configuration file: {error.strerror}")]) from None
+        raise ConfigError(source, [Problem(
+            source, f"cannot read the configuration file: {error.strerror}")]) from None
     try:
         document = yaml.load(data, Loader=_StrictLoader)
     except yaml.YAMLError as error:
@@ -64,8 +67,9 @@ def _read_document(source: str) -> dict[Any, Any]:
 
 
 def _describe_yaml_error(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    if mark is None:
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
         return f"invalid YAML: {error}"
-    context = f" ({error.context})" if getattr(error, "context", None) else ""
-    return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}{context}"
+    mark = error.problem_mark
+    context = f" ({error.context})" if error.context else ""
+    return (f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: "
+            f"{error.problem}{context}")

@@ -46,7 +46,7 @@ import heapq
 import json
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn, TypeVar
 
 from .accept import parse_accept
 from .errors import MvproxyError
@@ -127,10 +127,11 @@ def _load_json(body: bytes, max_bytes: int) -> object:
         _fail("document", f"not JSON ({_clip(str(exc))})")
 
 
-_KIND_NAMES = {dict: "an object", list: "a list", str: "a string"}
+_KIND_NAMES: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+_T = TypeVar("_T")
 
 
-def _typed(value: object, kind: type, where: str, what: str) -> Any:
+def _typed(value: object, kind: type[_T], where: str, what: str) -> _T:
     if not isinstance(value, kind):
         _fail(where, f"{what} must be {_KIND_NAMES[kind]}, got {_shown(value)}")
     return value
@@ -165,15 +166,15 @@ def _unique(names: Iterable[str], where: str, what: str) -> None:
         seen.add(name)
 
 
-def _check_subresource(sub: object, where: str) -> str:
-    _typed(sub, dict, where, "a subresource")
+def _check_subresource(value: object, where: str) -> str:
+    sub = _typed(value, dict, where, "a subresource")
     name = _name(sub, "subresource", where)
     _verbs(sub, f"{where}({_clip(name)})")
     return name
 
 
-def _check_resource(resource: object, where: str) -> str:
-    _typed(resource, dict, where, "a resource")
+def _check_resource(value: object, where: str) -> str:
+    resource = _typed(value, dict, where, "a resource")
     name = _name(resource, "resource", where)
     where = f"{where}({_clip(name)})"
     _verbs(resource, where)
@@ -183,8 +184,8 @@ def _check_resource(resource: object, where: str) -> str:
     return name
 
 
-def _check_version(version: object, where: str) -> str:
-    _typed(version, dict, where, "a version")
+def _check_version(value: object, where: str) -> str:
+    version = _typed(value, dict, where, "a version")
     name = _name(version, "version", where)
     where = f"{where}({_clip(name)})"
     if version.get("freshness") is not None:
@@ -195,8 +196,8 @@ def _check_version(version: object, where: str) -> str:
     return name
 
 
-def _check_group(group: object, where: str) -> dict:
-    _typed(group, dict, where, "a group")
+def _check_group(value: object, where: str) -> dict:
+    group = _typed(value, dict, where, "a group")
     metadata = _typed(group.get("metadata"), dict, where, "'metadata'")
     name = _typed(metadata.get("name", ""), str, where, "'metadata.name'")
     where = f"{where}({_clip(name)})"
@@ -206,8 +207,8 @@ def _check_group(group: object, where: str) -> dict:
     return group
 
 
-def _check_list_header(doc: object) -> list:
-    _typed(doc, dict, "document", "the document")
+def _check_list_header(value: object) -> list:
+    doc = _typed(value, dict, "document", "the document")
     if doc.get("kind") != _LIST_KIND:
         _fail("document", f"kind must be {_LIST_KIND!r}, got {_shown(doc.get('kind'))}")
     if doc.get("apiVersion") not in _API_VERSIONS.values():
@@ -334,7 +335,7 @@ def _precedence(lists: Sequence[Sequence[str]]) -> tuple[dict[str, set[str]], di
         for item in items:
             after.setdefault(item, set())
             indegree.setdefault(item, 0)
-        for earlier, later in zip(items, items[1:]):
+        for earlier, later in zip(items, items[1:], strict=False):  # neighbours
             if later not in after[earlier]:
                 after[earlier].add(later)
                 indegree[later] += 1
@@ -443,7 +444,7 @@ def _group_with_freshness(group: dict, current: Collection[tuple[str, str]]) -> 
     name = group_name(group)
     versions = _versions(group)
     marked = [_version_with_freshness(v, (name, v["version"]) in current) for v in versions]
-    if all(m is v for m, v in zip(marked, versions)):
+    if all(m is v for m, v in zip(marked, versions, strict=True)):
         return group
     return {**group, "versions": marked}
 
@@ -508,7 +509,7 @@ def _legacy_group(group: Mapping) -> dict:
     name = group_name(group)
     versions = _versions(group)
     refs = [_version_ref(name, v["version"]) for v in versions]
-    fresh = [ref for ref, v in zip(refs, versions) if not _is_stale(v)]
+    fresh = [ref for ref, v in zip(refs, versions, strict=True) if not _is_stale(v)]
     return {"name": name, "versions": refs, "preferredVersion": (fresh or refs)[0]}
 
 

@@ -36,7 +36,7 @@ from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
-from mvproxy.logs import kv, throttled
+from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Transport, Upstream
@@ -214,9 +214,13 @@ def _answerable(view: CacheView, path: str) -> bool:
 
 
 def _render(view: CacheView, negotiated: discovery.Negotiated, path: str) -> bytes:
+    # Only called after _answerable(view, path), and a view never changes: both exist.
     if path not in _TOP_LEVEL:
-        return discovery.render_api_group(view.merged_group(path[len("/apis/"):]))
+        group = view.merged_group(path[len("/apis/"):])
+        assert group is not None
+        return discovery.render_api_group(group)
     merged = view.merged()
+    assert merged is not None
     groups = merged.core if path == "/api" else merged.groups
     if negotiated.kind == "aggregated":
         return discovery.render_aggregated(groups, api_version=negotiated.api_version)

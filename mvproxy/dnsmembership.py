@@ -41,7 +41,7 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 async def resolve(name: str, port: int) -> list[str]:
     """The name's addresses (A and AAAA), deduplicated, sorted."""
     infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # the address (typed str | int)
 
 
 def server_id_from_cert(cert: dict[str, Any], resolved_name: str) -> str | None:
@@ -102,7 +102,7 @@ class DNSMembership:
             self._reject("*", "too_many", f"{len(addresses)} addresses, using {MAX_ADDRESSES}")
             addresses = addresses[:MAX_ADDRESSES]
         learned = await asyncio.gather(*(self._probe(a) for a in addresses))
-        ids = {a: sid for a, sid in zip(addresses, learned) if sid is not None}
+        ids = {a: sid for a, sid in zip(addresses, learned, strict=True) if sid is not None}
         self._ids = ids
         peers = tuple(sorted({Peer(sid, _url(a, self.port), "dns") for a, sid in ids.items()},
                              key=lambda p: (p.server_id, p.url)))

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from multidict import CIMultiDict
@@ -78,7 +79,7 @@ class _Names:
     set_to_peer: frozenset
 
 
-def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, list, object]:
+def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, list, Any]:
     """(lowercased name, name, value) of the client's fields that go upstream, the
     ``X-Forwarded-For`` values the client sent, and its ``Host`` (or None).
 
@@ -181,7 +182,7 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
             parts.append(b"Audit-ID: " + audit_id + b"\r\n")
     if exchange.has_body:
         parts.append(b"Transfer-Encoding: chunked\r\n" if exchange.chunked
-                     else b"Content-Length: %d\r\n" % exchange.body_length)
+                     else b"Content-Length: %d\r\n" % (exchange.body_length or 0))
         parts += [b"Expect: " + v + b"\r\n" for n, v in exchange.raw if n.lower() == b"expect"]
     parts.append(b"\r\n")
     asserts = bool(downstream.header_lines) or any(
@@ -402,6 +403,7 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
     upstream = pool.upstream
     loop = transport.loop
     relay = _Relay(exchange, conn, loop, check_unserved=upstream.is_peer)
+    assert relay.head is not None and relay.done is not None  # no notify: future mode
     deadlines = transport.deadlines
     deadlines.add(relay, loop.time() + transport.request_timeout, relay.expire, loop)
     conn.send(head, relay, method=exchange.method)

@@ -105,7 +105,8 @@ class IdentityResolver:
 
     def __init__(self, *, client_ca_file: str | None, peer_client_ca_file: str | None,
                  peer_allowed_names: Iterable[str], memo_size: int = 1024):
-        self._client_cas = tls.load_ca_bundle(client_ca_file, "client CA file") if client_ca_file else ()
+        self._client_cas = tls.load_ca_bundle(client_ca_file,
+                                              "client CA file") if client_ca_file else ()
         self._peer_cas = (tls.load_ca_bundle(peer_client_ca_file, "peer client CA file")
                           if peer_client_ca_file else ())
         self._allowed = frozenset(peer_allowed_names)

@@ -15,7 +15,7 @@ import json
 import socket
 import ssl
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
@@ -95,7 +95,7 @@ class KubeClient:
             raise KubeError(0, "unreachable", f"{method} {path}: {type(exc).__name__}") from None
 
     async def watch(self, path: str, params: Mapping[str, str],
-                    idle_timeout: float) -> AsyncIterator[dict[str, Any]]:
+                    idle_timeout: float) -> AsyncGenerator[dict[str, Any], None]:
         """The events of one watch request, until the server ends it or says nothing
         for ``idle_timeout`` (a silently dead connection ends like a finished watch)."""
         session = self._open()

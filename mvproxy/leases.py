@@ -92,9 +92,10 @@ def format_time(seconds: float) -> str:
 
 
 def parse_time(text: object) -> float:
-    if not isinstance(text, str) or not _TIME.fullmatch(text):
+    match = _TIME.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
         raise LeaseRejected("bad_time", f"renewTime is not an RFC 3339 UTC time: {_short(text)}")
-    y, mo, d, h, mi, s, frac = _TIME.fullmatch(text).groups()  # type: ignore[union-attr]
+    y, mo, d, h, mi, s, frac = match.groups()
     try:
         whole = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
         time.gmtime(whole)  # range check
@@ -138,20 +139,18 @@ def parse_lease(obj: object, observed: float = math.inf) -> LeasePeer:
         raise LeaseRejected("malformed", "labels or annotations are not maps")
     name = meta.get("name")
     if labels.get(MVPROXY_LABEL) == MVPROXY_LABEL_VALUE:
-        server_id = spec.get("holderIdentity")
-        _check_server_id(server_id)
-        if name != lease_name(server_id):  # type: ignore[arg-type]
+        server_id = _check_server_id(spec.get("holderIdentity"))
+        if name != lease_name(server_id):
             raise LeaseRejected("name_mismatch", f"holderIdentity {server_id!r} does not "
                                                  f"match the Lease name {_short(name)}")
         url = _check_url(annotations.get(URL_ANNOTATION))
     elif IDENTITY_LABEL in labels:
-        _check_server_id(name)
-        server_id = name
+        server_id = _check_server_id(name)
         url = _address_url(annotations.get(PEER_ADDRESS_ANNOTATION))
     else:
         raise LeaseRejected("not_membership", "neither an mvproxy nor an identity Lease")
     duration = _duration(spec)
-    return LeasePeer(server_id, url, parse_time(spec.get("renewTime")),  # type: ignore[arg-type]
+    return LeasePeer(server_id, url, parse_time(spec.get("renewTime")),
                      duration, observed)
 
 
@@ -163,9 +162,10 @@ def _duration(spec: dict[str, Any]) -> int:
     return duration
 
 
-def _check_server_id(value: object) -> None:
+def _check_server_id(value: object) -> str:
     if not isinstance(value, str) or len(value) > 253 or not SERVER_ID_RE.fullmatch(value):
         raise LeaseRejected("bad_server_id", f"server ID is not a DNS name: {_short(value)}")
+    return value
 
 
 def _check_url(value: object) -> str:

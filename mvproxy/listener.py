@@ -35,8 +35,9 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import unquote
 
 import httptools
@@ -338,7 +339,8 @@ class Exchange:
         self.started = True
         self.status = status
 
-    def write(self, data: bytes, *, end: bool = False, trailers: wire.Fields = ()) -> None:
+    def write(self, data: bytes, *, end: bool = False,
+              trailers: Sequence[tuple[str, str]] = ()) -> None:
         """Body bytes (framed here when chunked), with a held head before them and the
         end after them if ``end``: one write to the connection either way."""
         out = self._head_pending
@@ -353,7 +355,7 @@ class Exchange:
         if out:
             self.conn.write(out)
 
-    def end(self, trailers: wire.Fields = ()) -> None:
+    def end(self, trailers: Sequence[tuple[str, str]] = ()) -> None:
         """The end of the body (the last chunk, with any trailers)."""
         self.write(b"", end=True, trailers=trailers)
 
@@ -419,7 +421,7 @@ class DownstreamConnection(FlowControl):
     # ---------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # TCP or TLS: a Transport
         peer = transport.get_extra_info("peername")
         self.client_address = peer[0] if isinstance(peer, tuple) else ""
         self.raw_client_address = self.client_address.encode("ascii", "replace")
@@ -907,11 +909,12 @@ class Listener:
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BATCH):
             if self.open_connections >= self.limits.max_connections:
-                self._starved("the connection limit", f"maxConnections={self.limits.max_connections}")
+                self._starved("the connection limit",
+                              f"maxConnections={self.limits.max_connections}")
                 self._pause_accepting()
                 return
             try:
-                sock, _ = self._socket.accept()  # type: ignore[union-attr]
+                sock, _ = self._socket.accept()  # type: ignore[union-attr]  # read while open
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

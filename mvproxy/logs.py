@@ -140,7 +140,7 @@ def configure(fmt: str = "text", verbosity: int = 2, stream: TextIO | None = Non
     for old in list(root.handlers):
         if getattr(old, "_mvproxy", False):
             root.removeHandler(old)
-    handler._mvproxy = True  # type: ignore[attr-defined]
+    handler._mvproxy = True  # type: ignore[attr-defined]  # our mark, for the next call
     root.addHandler(handler)
     set_verbosity(verbosity)
 

@@ -103,7 +103,8 @@ class Metrics:
         """Read ``mvproxy_open_connections`` from the listener at scrape time."""
         self.open_connections.set_function(count)
 
-    def watch_peers(self, peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
+    def watch_peers(self,
+                    peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
         """Export ``mvproxy_peer_up`` and ``mvproxy_peer_discovery_age_seconds``.
 
         Read at scrape time from ``peer_states()`` -> (server ID, up, age in seconds

@@ -205,10 +205,10 @@ class Poller:
         try:
             results = await asyncio.gather(*(self._fetch(state, p) for p in PATHS),
                                            return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            for error in errors:
-                if not isinstance(error, Exception):
-                    raise error  # cancelled: not a failure of the server
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, Exception):
+                    raise result  # cancelled: not a failure of the server
+            errors = [r for r in results if isinstance(r, Exception)]
             if not errors:
                 self._succeeded(server_id, state, self._snapshot(state, results))
         except Exception as exc:  # a bug here must not end this server's polling
@@ -227,7 +227,7 @@ class Poller:
         """
         if all(result is None for result in results) and state.snapshot is not None:
             return state.snapshot
-        for path, result in zip(PATHS, results):
+        for path, result in zip(PATHS, results, strict=True):
             if result is not None:
                 state.groups[path], state.etags[path] = result
         state.snapshot = Snapshot(core=state.groups["/api"], groups=state.groups["/apis"])

@@ -53,7 +53,8 @@ def changed_paths(old: Any, new: Any, prefix: str = "") -> Iterator[str]:
 
 def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
     """(the configuration to run with, live paths applied, paths kept until a restart)."""
-    applied, kept = [], []
+    applied: list[str] = []
+    kept: list[str] = []
     result = old
     for path in changed_paths(old, new):
         (applied if path in LIVE else kept).append(path)

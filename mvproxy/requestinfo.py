@@ -229,11 +229,11 @@ def _parse_query(qs: str) -> dict[str, str]:
     for pair in qs.split("&"):
         if not pair or ";" in pair:
             continue
-        key, _, value = pair.partition("=")
-        key = _query_unescape(key)
+        raw_key, _, raw_value = pair.partition("=")
+        key = _query_unescape(raw_key)
         if key is None:
             continue
-        value = _query_unescape(value)
+        value = _query_unescape(raw_value)
         if value is None:
             continue
         if key not in out:

@@ -181,17 +181,18 @@ def _format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime(_TIME_FORMAT)
 
 
-def _read_file(path: StrPath) -> tuple[bytes | None, Problem | None]:
+def _read_file(path: StrPath) -> bytes | Problem:
+    """The file's bytes, or what stopped us reading it."""
     try:
-        return Path(path).read_bytes(), None
+        return Path(path).read_bytes()
     except OSError as e:
-        return None, Problem(str(path), f"cannot read: {e.strerror or e}")
+        return Problem(str(path), f"cannot read: {e.strerror or e}")
 
 
 def _key_problems(cert: x509.Certificate, cert_file: StrPath, key_file: StrPath) -> list[Problem]:
-    data, problem = _read_file(key_file)
-    if problem:
-        return [problem]
+    data = _read_file(key_file)
+    if isinstance(data, Problem):
+        return [data]
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
@@ -230,9 +231,9 @@ def load_ca_bundle(path: StrPath, what: str) -> tuple[x509.Certificate, ...]:
 
 
 def _ca_problems(cert: x509.Certificate, cert_file: StrPath, ca_file: StrPath) -> list[Problem]:
-    data, problem = _read_file(ca_file)
-    if problem:
-        return [problem]
+    data = _read_file(ca_file)
+    if isinstance(data, Problem):
+        return [data]
     try:
         cas = x509.load_pem_x509_certificates(data)
     except ValueError:
@@ -256,9 +257,9 @@ def check_certificate(
     now: datetime | None = None,
 ) -> list[Problem]:
     """Everything wrong with a certificate (and its key / CA), in words; never raises."""
-    data, problem = _read_file(cert_file)
-    if problem:
-        return [problem]
+    data = _read_file(cert_file)
+    if isinstance(data, Problem):
+        return [data]
     try:
         cert = x509.load_pem_x509_certificate(data)
     except ValueError:

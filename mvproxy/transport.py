@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -170,7 +170,7 @@ class UpstreamConnection(FlowControl):
     # ---------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # TCP or TLS: a Transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _keepalive(sock)
@@ -388,7 +388,7 @@ class Pool:
         except (OSError, ssl.SSLError) as exc:
             raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
         if upstream.is_peer:
-            ssl_object = conn.transport.get_extra_info("ssl_object")
+            ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport else None
             der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
             problem = (peer_serving_problem(der, upstream.name,
                                             must_name=upstream.must_name_itself)

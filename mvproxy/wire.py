@@ -70,7 +70,7 @@ def raw_connection_tokens(raw: RawFields, lowered: list[bytes]) -> set[bytes]:
     """``connection_tokens`` of every raw ``Connection`` field (``lowered``: the names,
     lowercased)."""
     tokens: set[bytes] = set()
-    for (_, value), name in zip(raw, lowered):
+    for (_, value), name in zip(raw, lowered, strict=True):
         if name == b"connection":
             tokens |= connection_tokens(value)
     return tokens
@@ -87,7 +87,7 @@ def status_line(status: int, reason: bytes) -> bytes:
 def raw_lines(raw: RawFields, lowered: list[bytes], dropped: frozenset[bytes] | set[bytes]
               ) -> bytes:
     """The fields whose lowercased name is not in ``dropped``, as header lines."""
-    return b"".join([n + b": " + v + b"\r\n" for (n, v), low in zip(raw, lowered)
+    return b"".join([n + b": " + v + b"\r\n" for (n, v), low in zip(raw, lowered, strict=True)
                      if low not in dropped])
 
 

@@ -98,6 +98,8 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         disable_created_metrics()  # as in the workers (``Metrics``)
+        if self.config_path:  # absolute once: every worker, restarted ones too, reads it
+            self.config_path = os.path.abspath(self.config_path)
         token = secrets.token_hex(8)
         self.workers = [Worker(i, f"@mvproxy-{token}-{i}") for i in range(self.config.workers)]
         self.registry = CollectorRegistry(auto_describe=True)
@@ -115,7 +117,7 @@ class Supervisor:
                 json.dumps(self.overrides), "--index", str(worker.index),
                 "--admin-socket", worker.socket_name]
         if self.config_path:
-            argv += ["--config", os.path.abspath(self.config_path)]
+            argv += ["--config", self.config_path]
         # stdin: a pipe only we write to; when we die it closes and the worker stops.
         worker.process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         worker.started = time.monotonic()
@@ -257,7 +259,7 @@ class Supervisor:
             answers = await asyncio.gather(*(self.ask(w, "/readyz?verbose")
                                              for w in self.workers))
             checks = [("ping", True, "")]
-            for worker, (status, text) in zip(self.workers, answers):
+            for worker, (status, text) in zip(self.workers, answers, strict=True):
                 failed = [line[3:] for line in text.splitlines() if line.startswith("[-]")]
                 why = "; ".join(failed) or text.strip()[:200]
                 checks.append((f"worker-{worker.index}", status == 200, why))
@@ -268,7 +270,7 @@ class Supervisor:
             answers = await asyncio.gather(*(self.ask(w, "/debug/mvproxy")
                                              for w in self.workers))
             listing = []
-            for worker, (status, text) in zip(self.workers, answers):
+            for worker, (status, text) in zip(self.workers, answers, strict=True):
                 entry: dict[str, object] = {"index": worker.index, "pid": worker.pid,
                                             "restarts": worker.restarts}
                 if status == 200:

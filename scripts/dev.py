@@ -7,9 +7,10 @@ Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 backend) and mvproxy itself editable, when the lock or ``pyproject.toml`` changed
 since the last install, then runs the command there. Extra arguments go to
 ``mvproxy demo`` or to pytest. ``lint`` runs ruff, mypy and import-linter (what
-``.ci/run`` checks before the tests), stopping at the first that fails. ``test`` also installs Chromium
-(Debian's ``chromium``, with apt-get when running as root) for the status page's
-browser test, and promtool (Debian's ``prometheus``) for the alert rules' tests.
+``.ci/run`` checks before the tests), stopping at the first that fails. ``test`` also
+installs Chromium (Debian's ``chromium``, with apt-get when running as root) for the
+status page's browser test, and promtool (Debian's ``prometheus``) for the alert rules'
+tests.
 ``binary`` builds the standalone executable ``dist/mvproxy`` (see ``build_binary``).
 ``kubectl [X.Y]`` downloads the test suite's pinned kubectl into ``.tools/`` and prints
 its path (for a machine with no kubectl).

@@ -99,7 +99,7 @@ def version(entry: str) -> str:
 def sections(text: str) -> dict[str, dict[str, str]]:
     """The lock's sections, each as ``entries``; fails when a marker is missing."""
     parts = re.split(r"^# \[(\w+)\].*$", text, flags=re.MULTILINE)
-    found = {name: entries(body) for name, body in zip(parts[1::2], parts[2::2])}
+    found = {name: entries(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
     if tuple(found) != SECTIONS or entries(parts[0]):
         raise ValueError(f"requirements.lock must hold exactly the sections {SECTIONS} "
                          f"in that order, found {tuple(found)}; run `{REFRESH}`")

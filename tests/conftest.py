@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-# --------------------------------------------------------------------------- leaked asyncio tasks
-# Autouse: a test whose event loop still has pending tasks at teardown fails (tests/leaks.py).
-
-from leaks import no_leaked_tasks  # noqa: E402,F401  (importing registers the fixture)
+# Fixture modules shared by several test modules (``root``, ``backend``, the simulator's
+# ``client``): registered here, so modules need not import fixtures they never call.
+# ``leaks``: an autouse fixture fails a test whose event loop still has pending tasks at
+# teardown.
+pytest_plugins = ("daemon_support", "process_support", "sim_support", "leaks")
 
 # --------------------------------------------------------------------------- kubectl
 # A real kubectl (pinned, downloaded once into <repo>/.tools; see tests/kubectl.py).

@@ -19,7 +19,7 @@ import logging
 import aiohttp
 import pytest
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PEER_ID,
     PODGROUPS,
     PODGROUPS_GVR,
@@ -28,11 +28,13 @@ from daemon_support import (  # root: the module's PKI fixture
     cluster,
     header,
     backend_synced,
-    root,  # noqa: F401
     synced,
 )
 
 from mvproxy import devpki
+from mvproxy.app import _peer_upstreams, build_daemon
+from mvproxy.configfile import load_config
+from mvproxy.membership import Peer, StaticMembership
 
 async def test_routes_by_capability_with_verified_identity(aiohttp_server, root):
     async with cluster(aiohttp_server, root) as c:
@@ -339,3 +341,54 @@ async def test_shutdown_cuts_a_stream_that_is_not_a_watch(aiohttp_server, root):
             await opened.wait()
         await task
     assert got[0] == b"line 1\n" and isinstance(got[1], aiohttp.ClientPayloadError), got
+
+
+# --------------------------------------------------------------------------- peer TLS
+
+
+def _config_with(root, **settings):
+    return load_config(None, overrides={
+        "serverID": "a", "tlsCertFile": str(root / "a" / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
+        "backend.url": "https://127.0.0.1:1", "backend.caFile": str(root / "ca.crt"),
+        "backend.certFile": str(root / "a" / "front-proxy-client.crt"),
+        "backend.keyFile": str(root / "a" / "front-proxy-client.key"), **settings})
+
+
+PEER_FILES = {"peer.caFile": "ca.crt", "peer.clientCAFile": "front-proxy-ca.crt",
+              "peer.certFile": "a/front-proxy-client.crt",
+              "peer.keyFile": "a/front-proxy-client.key"}
+
+
+@pytest.mark.parametrize("membership", [
+    pytest.param({"peers.dns.name": "localhost"}, id="dns"),
+    pytest.param({"peers.leases.enabled": True, "peer.advertiseURL": "https://127.0.0.1:2"},
+                 id="leases"),
+])
+async def test_dynamic_membership_without_static_peers_reaches_peers_over_peer_tls(
+        root, membership):
+    """The issue's suspicion (peers get ssl_context=None without static peers): a
+    dynamic source alone still builds the peer client context, and every peer the
+    membership names becomes an Upstream with it."""
+    files = {key: str(root / name) for key, name in PEER_FILES.items()}
+    daemon = build_daemon(_config_with(root, **files, **membership))
+    assert daemon.config.peers == ()
+    assert daemon.peer_ssl is not None
+    assert (daemon.dns, daemon.leases) != (None, None)
+    peers = _peer_upstreams(StaticMembership([Peer("b", "https://127.0.0.1:3")]),
+                            daemon.peer_ssl)()
+    assert peers["b"].ssl_context is daemon.peer_ssl
+    await daemon.transport.close()
+    await daemon.poll_transport.close()
+
+
+async def test_without_peer_tls_material_no_peer_becomes_an_upstream(root):
+    """Unreachable through a validated configuration (the peer files are required with
+    any membership source), so the daemon defends it: an Upstream without a client
+    context could only fail each connection."""
+    daemon = build_daemon(_config_with(root))
+    assert daemon.peer_ssl is None
+    membership = StaticMembership([Peer("b", "https://127.0.0.1:3")])
+    assert _peer_upstreams(membership, daemon.peer_ssl)() == {}
+    await daemon.transport.close()
+    await daemon.poll_transport.close()

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from daemon_support import root  # noqa: F401 - root: the PKI fixture
 from scripts_support import script
-from process_support import (  # noqa: F401 - backend: a fixture
+from process_support import (
     admin_get,
-    backend,
     daemon_config,
     get,
     stop_process,
@@ -109,7 +107,7 @@ def test_binary_says_the_simulator_is_not_in_it(binary, clean_env, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-async def _serve_through(binary, env, root, tmp_path, backend, *args):  # noqa: F811
+async def _serve_through(binary, env, root, tmp_path, backend, *args):
     port, admin = free_port(), free_port()
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(daemon_config(root, backend, port, admin)))
@@ -131,13 +129,13 @@ async def _serve_through(binary, env, root, tmp_path, backend, *args):  # noqa: 
     return metrics
 
 
-async def test_binary_runs_the_daemon_in_a_clean_environment(binary, clean_env, root,  # noqa: F811
-                                                             backend, tmp_path):  # noqa: F811
+async def test_binary_runs_the_daemon_in_a_clean_environment(binary, clean_env, root,
+                                                             backend, tmp_path):
     status, _ = await _serve_through(binary, clean_env, root, tmp_path, backend)
     assert status == 200
 
 
-async def test_binary_runs_worker_processes(binary, clean_env, root, backend,  # noqa: F811
+async def test_binary_runs_worker_processes(binary, clean_env, root, backend,
                                             tmp_path):
     """Workers are ``python -m mvproxy worker``: they must find the bundled packages."""
     status, text = await _serve_through(binary, clean_env, root, tmp_path, backend,

@@ -38,8 +38,8 @@ def manifest(*flags: str, image: str = "registry.k8s.io/kube-apiserver:v1.36.0",
     (manifest(args=("--peer-ca-file=/pki/ca.crt",)), True),
     (manifest("--peer-ca-file=/pki/ca.crt", image="registry.k8s.io/kube-apiserver:v1.35.2"),
      False),
-    (manifest("--peer-ca-file=/pki/ca.crt", f"--feature-gates=A=true,"
-              f"UnknownVersionInteroperabilityProxy=true",
+    (manifest("--peer-ca-file=/pki/ca.crt", "--feature-gates=A=true,"
+              "UnknownVersionInteroperabilityProxy=true",
               image="registry.k8s.io/kube-apiserver:v1.35.2"), True),
     (manifest("--peer-ca-file=/pki/ca.crt",
               "--feature-gates=UnknownVersionInteroperabilityProxy=false"), False),

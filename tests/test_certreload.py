@@ -23,8 +23,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from daemon_support import PEER_ID, PODGROUPS, WAIT, cluster, ready, root  # noqa: F401 - root: PKI
-from process_support import backend, start_daemon, wait_ready  # noqa: F401 - backend: fixture
+from daemon_support import PEER_ID, PODGROUPS, WAIT, cluster, ready
+from process_support import start_daemon, wait_ready
 
 from mvproxy import devpki, tls
 from pki_support import issue, replace
@@ -38,7 +38,7 @@ ERRORS = "mvproxy_certificate_reload_errors_total"
 
 
 @pytest.fixture
-def tree(root, tmp_path) -> Path:  # noqa: F811
+def tree(root, tmp_path) -> Path:
     """A private copy of the module's PKI: tests replace files in it."""
     copy = tmp_path / "pki"
     shutil.copytree(root, copy)
@@ -178,7 +178,7 @@ async def test_a_replaced_client_ca_admits_its_clients_and_drops_the_old_ones(
             new_ca.not_valid_after_utc.timestamp()
 
 
-def test_the_identity_resolver_forgets_what_a_removed_ca_vouched_for(root):  # noqa: F811
+def test_the_identity_resolver_forgets_what_a_removed_ca_vouched_for(root):
     der = x509.load_pem_x509_certificate((root / "admin.crt").read_bytes()).public_bytes(
         serialization.Encoding.DER)
     resolver = IdentityResolver(client_ca_file=str(root / "ca.crt"),
@@ -334,7 +334,7 @@ def test_a_file_still_being_written_is_looked_at_again_not_refused(tmp_path):
     assert refused == []
 
 
-def test_every_loaded_certificate_has_an_expiry_each_ca_of_a_bundle_its_own(root, tmp_path):  # noqa: F811
+def test_every_loaded_certificate_has_an_expiry_each_ca_of_a_bundle_its_own(root, tmp_path):
     import dataclasses
 
     from mvproxy.app import build_daemon
@@ -353,7 +353,7 @@ def test_every_loaded_certificate_has_an_expiry_each_ca_of_a_bundle_its_own(root
 
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 async def test_a_fifo_or_a_huge_file_in_place_of_a_certificate_is_refused_unread(
-        root, tmp_path, kind):  # noqa: F811
+        root, tmp_path, kind):
     """Whoever can write the mounted directory cannot stall the event loop on a FIFO
     (an open for reading would wait for a writer) or make every check read gigabytes."""
     from mvproxy.app import build_daemon
@@ -441,7 +441,7 @@ async def test_a_running_daemon_notices_a_swapped_secret_by_itself(aiohttp_serve
         assert (await get_once(c.port, ctx))[0] == 200
 
 
-async def test_every_worker_reloads_on_its_own(backend, tree, tmp_path):  # noqa: F811
+async def test_every_worker_reloads_on_its_own(backend, tree, tmp_path):
     """``--workers 2``: each worker notices the new file; nothing else changes."""
     proc, port, admin, stop = start_daemon(tree, tmp_path, backend, args=("--workers", "2"),
                                            extra={"certificates": {"reloadInterval": "100ms"}})

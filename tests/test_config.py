@@ -107,11 +107,13 @@ def test_minimal_document_gets_every_default(pki):
         tls_private_key_file=str(pki / "certs/apiserver-a/mvproxy.key"),
         backend=BackendConfig(url="https://127.0.0.1:6444"),
     )
-    assert (config.bind_address, config.secure_port, config.client_ca_file) == ("0.0.0.0", 6443, None)
+    assert (config.bind_address, config.secure_port, config.client_ca_file) == ("0.0.0.0", 6443,
+                                                                                None)
     assert config.peer == PeerConfig(allowed_names=("front-proxy-client",))
     assert config.peers == ()
     assert config.discovery == DiscoveryConfig(
-        poll_interval=5.0, stale_after=15.0, forget_after=600.0, timeout=5.0, max_document_bytes=33554432
+        poll_interval=5.0, stale_after=15.0, forget_after=600.0, timeout=5.0,
+        max_document_bytes=33554432,
     )
     assert config.admin == AdminConfig(bind_address="127.0.0.1", port=9443)
     assert config.logging == LoggingConfig(format="text", verbosity=2)
@@ -143,12 +145,15 @@ def test_config_is_frozen(pki):
                      id="shutdownGracePeriod may be zero"),
         pytest.param({"admin.port": 0}, "admin.port", 0, id="admin port 0 picks a free port"),
         pytest.param({"bindAddress": "::"}, "bind_address", "::", id="bindAddress may be IPv6"),
-        pytest.param({"clientCAFile": None}, "client_ca_file", None, id="null is the same as leaving a key out"),
-        pytest.param({"logging.format": "json", "logging.verbosity": 10}, "logging", LoggingConfig(format="json", verbosity=10),
+        pytest.param({"clientCAFile": None}, "client_ca_file", None,
+                     id="null is the same as leaving a key out"),
+        pytest.param({"logging.format": "json", "logging.verbosity": 10}, "logging",
+                     LoggingConfig(format="json", verbosity=10),
                      id="json logs at the highest verbosity"),
         pytest.param({"peer.allowedNames": ["mvproxy-peer", "legacy-peer"]}, "peer.allowed_names",
                      ("mvproxy-peer", "legacy-peer"), id="allowedNames becomes a tuple"),
-        pytest.param({"peers": {"static": []}}, "peers", (), id="an empty static list needs no peer files"),
+        pytest.param({"peers": {"static": []}}, "peers", (),
+                     id="an empty static list needs no peer files"),
         pytest.param({**PEER_FILES, "peers.static": [PEER_B, PEER_C]}, "peers",
                      (StaticPeer(server_id="apiserver-b", url="https://10.0.0.2:6443"),
                       StaticPeer(server_id="apiserver-c", url="https://10.0.0.3:6443")),
@@ -183,7 +188,8 @@ def test_file_paths_are_absolute_and_relative_to_the_config_file(pki, tmp_path, 
     document = changed(MINIMAL, {
         "clientCAFile": "certs/ca.crt",
         "backend.certFile": "certs/apiserver-a/front-proxy-client.crt",
-        "backend.keyFile": str(pki / "certs/apiserver-a/front-proxy-client.key"),  # absolute stays as is
+        # absolute stays as is
+        "backend.keyFile": str(pki / "certs/apiserver-a/front-proxy-client.key"),
     })
     config = load_config(os.path.relpath(write(pki, document)))
     assert config.client_ca_file == str(pki / "certs/ca.crt")
@@ -201,7 +207,8 @@ def test_example_file_documents_every_key_and_parses(tmp_path):
     assert config.peers == (StaticPeer(server_id="apiserver-b", url="https://10.0.0.2:6443"),)
     assert config.peer.cert_file == str(tmp_path / "certs/apiserver-a/front-proxy-client.crt")
     assert config.backend.cert_file == str(tmp_path / "certs/apiserver-a/front-proxy-client.crt")
-    assert dotted_keys(yaml.safe_load(EXAMPLE.read_text())) == dotted_keys_of(Config) | {"apiVersion", "kind"}
+    assert dotted_keys(yaml.safe_load(EXAMPLE.read_text())) == \
+        dotted_keys_of(Config) | {"apiVersion", "kind"}
 
 
 def dotted_keys(document: dict, prefix: str = "") -> set[str]:
@@ -220,55 +227,69 @@ BAD = [
     ("serverID is required", {"serverID": DELETE}, {"serverID": "required"}),
     ("serverID must be a lowercase DNS name", {"serverID": "Apiserver_A"},
      {"serverID": "must be a lowercase DNS name"}),
-    ("serverID must not end with a dash", {"serverID": "apiserver-"}, {"serverID": "got 'apiserver-'"}),
-    ("serverID must be at most 253 characters", {"serverID": "a" * 254}, {"serverID": "at most 253 characters"}),
-    ("serverID must be a string", {"serverID": 7}, {"serverID": "must be a non-empty string, got 7"}),
+    ("serverID must not end with a dash", {"serverID": "apiserver-"},
+     {"serverID": "got 'apiserver-'"}),
+    ("serverID must be at most 253 characters", {"serverID": "a" * 254},
+     {"serverID": "at most 253 characters"}),
+    ("serverID must be a string", {"serverID": 7},
+     {"serverID": "must be a non-empty string, got 7"}),
     ("bindAddress must be an IP address", {"bindAddress": "localhost"},
      {"bindAddress": "must be an IP address, got 'localhost'"}),
     ("securePort must be an integer, not a string", {"securePort": "6443"},
      {"securePort": "must be an integer, got '6443'"}),
-    ("securePort must not be a bool", {"securePort": True}, {"securePort": "must be an integer, got True"}),
+    ("securePort must not be a bool", {"securePort": True},
+     {"securePort": "must be an integer, got True"}),
     ("securePort must be at most 65535", {"securePort": 70000},
      {"securePort": "must be between 1 and 65535, got 70000"}),
-    ("securePort must not be 0", {"securePort": 0}, {"securePort": "must be between 1 and 65535, got 0"}),
+    ("securePort must not be 0", {"securePort": 0},
+     {"securePort": "must be between 1 and 65535, got 0"}),
     ("tlsCertFile is required", {"tlsCertFile": DELETE}, {"tlsCertFile": "required"}),
-    ("tlsCertFile must exist", {"tlsCertFile": "certs/missing.crt"}, {"tlsCertFile": "no such file: '"}),
+    ("tlsCertFile must exist", {"tlsCertFile": "certs/missing.crt"},
+     {"tlsCertFile": "no such file: '"}),
     ("tlsPrivateKeyFile must be a file, not a directory", {"tlsPrivateKeyFile": "certs"},
      {"tlsPrivateKeyFile": "not a regular file: '"}),
-    ("clientCAFile must exist when given", {"clientCAFile": "nope.crt"}, {"clientCAFile": "no such file"}),
+    ("clientCAFile must exist when given", {"clientCAFile": "nope.crt"},
+     {"clientCAFile": "no such file"}),
     ("backend is required", {"backend": DELETE}, {"backend.url": "required"}),
     ("backend must be a mapping", {"backend": "https://127.0.0.1:6444"},
      {"backend": "must be a mapping, got 'https://127.0.0.1:6444'"}),
     ("backend.url must be https", {"backend.url": "http://127.0.0.1:6444"},
      {"backend.url": "must be an https:// URL, got 'http://127.0.0.1:6444'"}),
-    ("backend.url needs a host", {"backend.url": "https:///healthz"}, {"backend.url": "must be an https:// URL"}),
+    ("backend.url needs a host", {"backend.url": "https:///healthz"},
+     {"backend.url": "must be an https:// URL"}),
     ("backend.url needs a numeric port", {"backend.url": "https://host:port"},
      {"backend.url": "must be an https:// URL"}),
     ("backend.url takes no path", {"backend.url": "https://127.0.0.1:6444/api"},
      {"backend.url": "must be https://host[:port] with no credentials, path or query"}),
     ("backend.url takes no credentials", {"backend.url": "https://u:secret@127.0.0.1:6444"},
      {"backend.url": "must be https://host[:port] with no credentials, path or query"}),
-    ("backend certFile needs keyFile", {"backend.certFile": "certs/apiserver-a/front-proxy-client.crt"},
+    ("backend certFile needs keyFile",
+     {"backend.certFile": "certs/apiserver-a/front-proxy-client.crt"},
      {"backend.keyFile": "required when certFile is set"}),
-    ("backend keyFile needs certFile", {"backend.keyFile": "certs/apiserver-a/front-proxy-client.key"},
+    ("backend keyFile needs certFile",
+     {"backend.keyFile": "certs/apiserver-a/front-proxy-client.key"},
      {"backend.certFile": "required when keyFile is set"}),
     ("unknown key gets a did-you-mean hint", {"backend.cafile": "certs/ca.crt"},
      {"backend.cafile": "unknown key (did you mean 'caFile'?)"}),
     ("unknown top-level key is rejected", {"colour": "red"}, {"colour": "unknown key"}),
     ("peer files are required when peers are configured", {"peers.static": [PEER_B]},
-     {"peer.caFile": "required when peers are configured", "peer.certFile": "required when peers are configured",
+     {"peer.caFile": "required when peers are configured",
+      "peer.certFile": "required when peers are configured",
       "peer.clientCAFile": "required when peers are configured",
       "peer.keyFile": "required when peers are configured"}),
     ("peer.insecureSharedCA must be a boolean", {"peer.insecureSharedCA": "true"},
      {"peer.insecureSharedCA": "must be true or false, got 'true'"}),
-    ("peer.allowedNames must not be empty", {"peer.allowedNames": []}, {"peer.allowedNames": "must not be empty"}),
-    ("peer.allowedNames entries must be non-empty strings", {"peer.allowedNames": ["mvproxy-peer", ""]},
+    ("peer.allowedNames must not be empty", {"peer.allowedNames": []},
+     {"peer.allowedNames": "must not be empty"}),
+    ("peer.allowedNames entries must be non-empty strings",
+     {"peer.allowedNames": ["mvproxy-peer", ""]},
      {"peer.allowedNames[1]": "must be a non-empty string, got ''"}),
     ("peer.allowedNames must be a list", {"peer.allowedNames": "mvproxy-peer"},
      {"peer.allowedNames": "must be a list, got 'mvproxy-peer'"}),
     ("peer.advertiseURL must be https", {"peer.advertiseURL": "10.0.0.1:6443"},
      {"peer.advertiseURL": "must be an https:// URL, got '10.0.0.1:6443'"}),
-    ("peers must be a mapping holding static", {"peers": [PEER_B]}, {"peers": "must be a mapping, got a list"}),
+    ("peers must be a mapping holding static", {"peers": [PEER_B]},
+     {"peers": "must be a mapping, got a list"}),
     ("lease membership needs the peer files, an advertised URL and a backend certificate",
      {"peers.leases.enabled": True},
      {"peer.caFile": "required when peers are configured", "peer.certFile": "required",
@@ -308,9 +329,11 @@ BAD = [
     ("static peer server IDs must be unique",
      {**PEER_FILES, "peers.static": [PEER_B, {**PEER_C, "serverID": "apiserver-b"}]},
      {"peers.static[1].serverID": "duplicate 'apiserver-b' (already used by peers.static[0])"}),
-    ("static peer URLs must be unique", {**PEER_FILES, "peers.static": [PEER_B, {**PEER_B, "serverID": "apiserver-c"}]},
+    ("static peer URLs must be unique",
+     {**PEER_FILES, "peers.static": [PEER_B, {**PEER_B, "serverID": "apiserver-c"}]},
      {"peers.static[1].url": "duplicate 'https://10.0.0.2:6443'"}),
-    ("static peer keys are checked too", {**PEER_FILES, "peers.static": [{**PEER_B, "serverId": "x"}]},
+    ("static peer keys are checked too",
+     {**PEER_FILES, "peers.static": [{**PEER_B, "serverId": "x"}]},
      {"peers.static[0].serverId": "unknown key (did you mean 'serverID'?)"}),
     ("pollInterval needs a unit", {"discovery.pollInterval": "5"},
      {"discovery.pollInterval": "invalid duration '5': a unit is required"}),
@@ -318,24 +341,28 @@ BAD = [
      {"discovery.pollInterval": "must be a duration with a unit"}),
     ("pollInterval must be positive", {"discovery.pollInterval": "0s"},
      {"discovery.pollInterval": "must be > 0, got '0s'"}),
-    ("staleAfter must be at least pollInterval", {"discovery.pollInterval": "10s", "discovery.staleAfter": "5s"},
+    ("staleAfter must be at least pollInterval",
+     {"discovery.pollInterval": "10s", "discovery.staleAfter": "5s"},
      {"discovery.staleAfter": "must be >= pollInterval (10s), got '5s'"}),
     ("forgetAfter must be at least the derived staleAfter",
      {"discovery.pollInterval": "5m", "discovery.forgetAfter": "10m"},
      {"discovery.forgetAfter": "must be >= staleAfter (15m), got '10m'"}),
-    ("discovery.timeout must be positive", {"discovery.timeout": "0ms"}, {"discovery.timeout": "must be > 0"}),
+    ("discovery.timeout must be positive", {"discovery.timeout": "0ms"},
+     {"discovery.timeout": "must be > 0"}),
     ("maxDocumentBytes must be positive", {"discovery.maxDocumentBytes": 0},
      {"discovery.maxDocumentBytes": "must be >= 1, got 0"}),
     ("admin.bindAddress must be an IP address", {"admin.bindAddress": "127.0.0.256"},
      {"admin.bindAddress": "must be an IP address"}),
-    ("admin.port must not be negative", {"admin.port": -1}, {"admin.port": "must be between 0 and 65535, got -1"}),
+    ("admin.port must not be negative", {"admin.port": -1},
+     {"admin.port": "must be between 0 and 65535, got -1"}),
     ("logging.format must be text or json", {"logging.format": "yaml"},
      {"logging.format": "must be one of 'text', 'json', got 'yaml'"}),
     ("logging.verbosity must be at most 10", {"logging.verbosity": 11},
      {"logging.verbosity": "must be between 0 and 10, got 11"}),
     ("shutdownGracePeriod must not be negative", {"timeouts.shutdownGracePeriod": "-1s"},
      {"timeouts.shutdownGracePeriod": "invalid duration '-1s'"}),
-    ("timeouts.connect must be positive", {"timeouts.connect": "0s"}, {"timeouts.connect": "must be > 0"}),
+    ("timeouts.connect must be positive", {"timeouts.connect": "0s"},
+     {"timeouts.connect": "must be > 0"}),
     ("timeouts.request must be a duration", {"timeouts.request": "a minute"},
      {"timeouts.request": "invalid duration 'a minute'"}),
     ("apiVersion must match exactly", {"apiVersion": "mvproxy.io/v1"},
@@ -372,11 +399,13 @@ def test_every_problem_is_reported_at_once(pki):
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert sorted(problems_of(error)) == [
-        "backend.cafile", "backend.url", "discovery.pollInterval", "logging.format", "securePort", "serverID",
+        "backend.cafile", "backend.url", "discovery.pollInterval", "logging.format", "securePort",
+        "serverID",
     ]
     message = str(error.value)
     assert message.startswith(f"{path}: 6 problems\n")
-    assert "  backend.url: must be an https:// URL, got 'http://127.0.0.1:6444'" in message.splitlines()
+    assert ("  backend.url: must be an https:// URL, got 'http://127.0.0.1:6444'"
+            in message.splitlines())
 
 
 def test_an_unreadable_file_is_a_problem(pki):
@@ -402,7 +431,8 @@ def test_overrides_win_over_the_file(pki):
         "logging.verbosity": 4,
         "securePort": None,  # None means "flag not given": the file's value stays
     }
-    config = load_config(write(pki, changed(MINIMAL, {**PEER_FILES, "securePort": 8443})), overrides)
+    config = load_config(write(pki, changed(MINIMAL, {**PEER_FILES, "securePort": 8443})),
+                         overrides)
     assert config.server_id == "apiserver-z"
     assert config.backend.url == "https://127.0.0.1:7443"
     assert config.peers == (StaticPeer(server_id="apiserver-b", url="https://10.0.0.2:6443"),)
@@ -416,15 +446,20 @@ def test_override_paths_are_relative_to_the_working_directory(pki, tmp_path, mon
     config_dir = tmp_path / "etc"
     config_dir.mkdir()
     monkeypatch.chdir(pki)
-    document = changed(MINIMAL, {"tlsCertFile": "/nonexistent", "tlsPrivateKeyFile": "../certs/apiserver-a/mvproxy.key"})
-    config = load_config(write(config_dir, document), {"tlsCertFile": "certs/apiserver-a/mvproxy.crt"})
+    document = changed(MINIMAL,
+                       {"tlsCertFile": "/nonexistent",
+                        "tlsPrivateKeyFile": "../certs/apiserver-a/mvproxy.key"})
+    config = load_config(write(config_dir, document),
+                         {"tlsCertFile": "certs/apiserver-a/mvproxy.crt"})
     assert config.tls_cert_file == str(pki / "certs/apiserver-a/mvproxy.crt")
-    assert config.tls_private_key_file == str(pki / "certs/apiserver-a/mvproxy.key")  # from the file: its dir
+    # from the file: relative to its directory
+    assert config.tls_private_key_file == str(pki / "certs/apiserver-a/mvproxy.key")
 
 
 def test_flags_alone_need_no_file(pki, monkeypatch):
     monkeypatch.chdir(pki)
-    flags = {key: value for key, value in MINIMAL.items() if key not in ("apiVersion", "kind", "backend")}
+    flags = {key: value for key,
+             value in MINIMAL.items() if key not in ("apiVersion", "kind", "backend")}
     config = load_config(None, {**flags, "backend.url": "https://127.0.0.1:6444"})
     assert config.tls_private_key_file == str(pki / "certs/apiserver-a/mvproxy.key")
     assert config.backend.url == "https://127.0.0.1:6444"
@@ -460,7 +495,9 @@ def test_an_override_does_not_leak_through_a_yaml_anchor(pki):
 
 
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
-    path = write(tmp_path, "apiVersion: mvproxy.io/v1alpha1\nkind: MvproxyConfiguration\nbackend:\n  url: [\n")
+    path = write(tmp_path,
+                 "apiVersion: mvproxy.io/v1alpha1\nkind: MvproxyConfiguration\n"
+                 "backend:\n  url: [\n")
     with pytest.raises(ConfigError) as error:
         load_config(path)
     [problem] = error.value.problems
@@ -469,7 +506,9 @@ def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
 
 
 def test_duplicate_keys_are_rejected_with_their_line(tmp_path):
-    path = write(tmp_path, "apiVersion: mvproxy.io/v1alpha1\nkind: MvproxyConfiguration\nserverID: a\nserverID: b\n")
+    path = write(tmp_path,
+                 "apiVersion: mvproxy.io/v1alpha1\nkind: MvproxyConfiguration\n"
+                 "serverID: a\nserverID: b\n")
     with pytest.raises(ConfigError) as error:
         load_config(path)
     [problem] = error.value.problems
@@ -494,7 +533,8 @@ def test_the_document_must_be_a_mapping(tmp_path, text, phrase):
 @pytest.mark.parametrize(
     "name, phrase",
     [
-        pytest.param("missing.yaml", "cannot read the configuration file: No such file or directory", id="missing"),
+        pytest.param("missing.yaml",
+                     "cannot read the configuration file: No such file or directory", id="missing"),
         pytest.param(".", "cannot read the configuration file: Is a directory", id="a directory"),
     ],
 )
@@ -511,8 +551,8 @@ def test_an_unreadable_config_file_is_one_problem(tmp_path, name, phrase):
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("5s", 5.0), ("1m", 60.0), ("500ms", 0.5), ("1h", 3600.0), ("1m30s", 90.0), ("2.5s", 2.5), ("0s", 0.0),
-     ("1h2m3s4ms", 3723.004), (".5s", 0.5)],
+    [("5s", 5.0), ("1m", 60.0), ("500ms", 0.5), ("1h", 3600.0), ("1m30s", 90.0), ("2.5s", 2.5),
+     ("0s", 0.0), ("1h2m3s4ms", 3723.004), (".5s", 0.5)],
 )
 def test_parse_duration_accepts_go_style_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
@@ -537,7 +577,9 @@ def test_parse_duration_rejects_with_a_clear_message(text, phrase):
     assert repr(text) in str(error.value)
 
 
-@pytest.mark.parametrize("seconds, text", [(90.0, "1m30s"), (0.5, "500ms"), (0.0, "0s"), (3600.0, "1h"), (2.5, "2.5s")])
+@pytest.mark.parametrize("seconds, text",
+                         [(90.0, "1m30s"), (0.5, "500ms"), (0.0, "0s"), (3600.0, "1h"),
+                          (2.5, "2.5s")])
 def test_format_duration_is_the_inverse_of_parse_duration(seconds, text):
     assert format_duration(seconds) == text
     assert parse_duration(text) == seconds

@@ -20,7 +20,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import kubernetes_validate
 import pytest

@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 
-from daemon_support import root  # noqa: F401 - root: the PKI fixture
-from process_support import admin_get, backend, get, start_daemon, wait_ready  # noqa: F401
+from process_support import admin_get, get, start_daemon, wait_ready
 from reliability import record
 
 from mvproxy import tls
@@ -38,7 +37,7 @@ async def close_all(tasks) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_path):  # noqa: F811
+async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_path):
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE)
     ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     try:
@@ -60,7 +59,7 @@ async def test_the_derived_limit_keeps_descriptors_for_polls(backend, root, tmp_
            "excess clients wait; readyz stays 200 (polls keep their descriptors); one warning")
 
 
-async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, tmp_path):  # noqa: F811
+async def test_running_out_of_descriptors_backs_off_and_recovers(backend, root, tmp_path):
     """maxConnections set above what the process can open: accept fails with EMFILE."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, nofile=NOFILE,
                                            maxConnections=1000)

@@ -214,7 +214,8 @@ def test_format_errors_are_mvproxy_errors_and_value_errors():
 def test_documents_for_the_wrong_path_are_rejected():
     core = parse_aggregated(body(release_doc("1.36", core=True)), max_bytes=MAX_BYTES)
     apis = parse_aggregated(body(release_doc("1.36", core=False)), max_bytes=MAX_BYTES)
-    with pytest.raises(DiscoveryFormatError, match=r"^GET /api: group '[a-z0-9.]+' does not belong"):
+    with pytest.raises(DiscoveryFormatError,
+                       match=r"^GET /api: group '[a-z0-9.]+' does not belong"):
         check_prefix("/api", apis)
     with pytest.raises(DiscoveryFormatError, match=r"^GET /apis: group '' does not belong"):
         check_prefix("/apis", core)

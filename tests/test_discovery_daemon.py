@@ -16,13 +16,12 @@ import json
 import uuid
 
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     WAIT,
     Cluster,
     cut_short,
     cluster,
     ready,
-    root,  # noqa: F401
 )
 
 WIDGETS, GADGETS, NOTHING = "widgets.example.com", "gadgets.example.com", "nothing.example.com"

@@ -99,7 +99,7 @@ def test_identical_servers_merge_to_the_same_objects():
     a, b = snap(G1, G2), snap(dict(G1), dict(G2))
     result = merge({"a": a, "b": b})
     assert result == a
-    assert all(m is g for m, g in zip(result.groups, a.groups))
+    assert all(m is g for m, g in zip(result.groups, a.groups, strict=True))
 
 
 def test_a_single_server_is_returned_unchanged():

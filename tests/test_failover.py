@@ -18,12 +18,11 @@ import json
 
 import aiohttp
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PODGROUPS,
     WAIT,
     cluster,
     ready,
-    root,  # noqa: F401
     )
 from reliability import record
 

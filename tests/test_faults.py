@@ -38,14 +38,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PEER_ID,
     PODGROUPS,
     WAIT,
     Cluster,
     cluster,
     fake_server,
-    root,  # noqa: F401
     synced,
 )
 from reliability import record
@@ -374,5 +373,6 @@ def check(demo, load: Load, ctx: ssl.SSLContext) -> None:
     record(SUITE, "under load: acknowledged creates", len(load.created),
            "each exists exactly once; no 409 (nothing applied twice)")
     record(SUITE, "under load: watches through peers", len(load.watch_ends),
-           f"ended and re-established, longest {max((s for _, s in load.watch_ends), default=0):.1f}s; "
+           "ended and re-established, "
+           f"longest {max((s for _, s in load.watch_ends), default=0):.1f}s; "
            f"slowest request {slowest:.1f}s (bound {REQUEST_BOUND:.0f}s)")

@@ -344,8 +344,8 @@ def chain(aiohttp_server, root, transport, listen):
                 require_client_cert=True))
             upstream_url = f"https://127.0.0.1:{up_server.port}"
         up = Upstream("apiserver-b", upstream_url, tls.client_context(
-            root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
-            is_peer=True)
+            root / "ca.crt", root / "a" / "front-proxy-client.crt",
+            root / "a" / "front-proxy-client.key"), is_peer=True)
         port = await listen(proxy_handler(transport, up, **proxy_kw), tls.server_context(
             root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
         return f"https://127.0.0.1:{port}"
@@ -366,7 +366,7 @@ async def test_response_is_streamed_part_by_part(chain, downstream_client):
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        for part, done in zip(parts, read):
+        for part, done in zip(parts, read, strict=True):
             await response.write(part)
             await asyncio.wait_for(done.wait(), WAIT)  # the downstream has it before the next
         await response.write_eof()
@@ -377,7 +377,7 @@ async def test_response_is_streamed_part_by_part(chain, downstream_client):
         async with downstream_client.get(f"{base}/apis/x/v1/things?watch=1") as resp:
             assert resp.status == 200
             assert resp.headers["Transfer-Encoding"] == "chunked"
-            for part, done in zip(parts, read):
+            for part, done in zip(parts, read, strict=True):
                 assert await asyncio.wait_for(resp.content.readline(), WAIT) == part
                 done.set()
             assert await asyncio.wait_for(resp.content.read(), WAIT) == b""
@@ -534,8 +534,8 @@ async def test_timeout_is_retryable_only_when_safe(aiohttp_server, root, short_t
         root / "b" / "mvproxy.crt", root / "b" / "mvproxy.key", root / "front-proxy-ca.crt",
         require_client_cert=True))
     up = Upstream("apiserver-b", f"https://127.0.0.1:{up_server.port}", tls.client_context(
-        root / "ca.crt", root / "a" / "front-proxy-client.crt", root / "a" / "front-proxy-client.key"),
-        is_peer=True)
+        root / "ca.crt", root / "a" / "front-proxy-client.crt",
+        root / "a" / "front-proxy-client.key"), is_peer=True)
     port = await listen(proxy_handler(short_transport, up, long_running=False),
                         tls.server_context(root / "a" / "mvproxy.crt", root / "a" / "mvproxy.key"))
     try:

@@ -23,11 +23,10 @@ import logging
 import re
 
 import pytest
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PODGROUPS,
     Cluster,
     cluster,
-    root,  # noqa: F401
     synced,
 )
 from hypothesis import HealthCheck, given, settings

@@ -167,7 +167,8 @@ def test_three_control_plane_nodes_each_mount_mvproxy():
         mounts = {m["containerPath"]: m for m in node["extraMounts"]}
         manifest = mounts["/etc/kubernetes/manifests/mvproxy.yaml"]
         assert (ROOT / manifest["hostPath"]).resolve() == STATIC_POD
-        assert (ROOT / mounts["/etc/kubernetes/mvproxy/config.yaml"]["hostPath"]).resolve() == MVPROXY_CONFIG
+        config_mount = mounts["/etc/kubernetes/mvproxy/config.yaml"]
+        assert (ROOT / config_mount["hostPath"]).resolve() == MVPROXY_CONFIG
         for m in node["extraMounts"]:
             # kind resolves a relative hostPath against the working directory: the
             # repository root, where README says to run `kind create cluster`.
@@ -321,7 +322,8 @@ def test_static_pod_flags_exist_in_mvproxy_run():
     args = run_args({"NODE_NAME": "mvproxy-control-plane", "HOST_IP": "172.18.0.3"})
     assert args[0] == "run"                        # the image's ENTRYPOINT is mvproxy
     assert re.search(r'^ENTRYPOINT \["mvproxy"\]$', (ROOT / "Dockerfile").read_text(), re.M)
-    run = next(a for a in build_parser()._actions if a.choices and "run" in a.choices).choices["run"]
+    run = next(a for a in build_parser()._actions
+               if a.choices and "run" in a.choices).choices["run"]
     known = {o for a in run._actions for o in a.option_strings}
     for arg in args[1:]:
         assert arg.split("=")[0] in known, arg      # exact names, not argparse prefixes

@@ -344,7 +344,8 @@ async def test_hostile_leases_are_logged_once_counted_and_ignored(sim, clean, ca
     assert _sample(metrics, "name_mismatch") == 1
     assert _sample(metrics, "no_address") == 1
     warnings = [r for r in caplog.records if r.getMessage().startswith("ignoring a Lease")]
-    assert sorted(getattr(r, _KV_ATTR)["lease"] for r in warnings) == ["apiserver-old", "mvproxy-apiserver-c",
+    assert sorted(getattr(r, _KV_ATTR)["lease"] for r in warnings) == ["apiserver-old",
+                                                                       "mvproxy-apiserver-c",
                                                  "mvproxy-evil-1", "mvproxy-evil-2"]
     assert "169.254" not in " ".join(r.getMessage() for r in warnings)  # message is fixed
 
@@ -371,7 +372,8 @@ async def test_rbac_refusal_is_counted_and_retried_with_backoff(sim, clean, capl
     a = member(sim, "apiserver-a", 7001, namespace="default", metrics=metrics)
     caplog.set_level(logging.WARNING, logger="mvproxy.leasemembership")
     async with running(a):
-        await until(lambda: metrics.membership_errors.labels("leases", "http_403")._value.get() >= 4,
+        await until(lambda: metrics.membership_errors.labels("leases",
+                                                             "http_403")._value.get() >= 4,
                     "repeated refusals")
     assert a.peers() == ()
     assert metrics.discovery_sync_errors.labels("lease_list")._value.get() >= 1  # upstream's
@@ -584,7 +586,7 @@ async def test_a_backend_that_ends_every_watch_at_once_is_not_hammered(sim):
         async with running(m):
             await until(lambda: len(watches) >= 4, "four empty watches")
     # A sleep never ends early, so these are lower bounds, not races: the pauses double.
-    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    gaps = [b - a for a, b in zip(watches, watches[1:], strict=False)]  # neighbours
     assert gaps[2] >= 0.8 * leasemembership._MIN_RETRY * 4, gaps
 
 

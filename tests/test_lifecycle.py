@@ -13,8 +13,7 @@ import signal
 from pathlib import Path
 
 import yaml
-from daemon_support import root  # noqa: F401  (the module's PKI fixture)
-from process_support import WAIT, admin_get, backend, get, start_daemon, wait_ready  # noqa: F401
+from process_support import WAIT, admin_get, get, start_daemon, wait_ready
 
 from mvproxy import tls
 from mvproxy.configfile import load_config
@@ -49,7 +48,7 @@ def _log(tmp: Path) -> str:
 # --------------------------------------------------------------------------- merge rules
 
 
-def test_a_reload_applies_live_keys_and_keeps_the_rest(root):  # noqa: F811
+def test_a_reload_applies_live_keys_and_keeps_the_rest(root):
     base = {"serverID": "a", "tlsCertFile": str(root / "a" / "mvproxy.crt"),
             "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
             "backend": {"url": "https://127.0.0.1:6444"}, "peer": _peer_tls(root),
@@ -86,8 +85,8 @@ def _flat(doc: dict, prefix: str = "") -> dict:
 # --------------------------------------------------------------------------- processes
 
 
-async def test_sighup_reloads_peers_and_reports_what_needs_a_restart(root, tmp_path,  # noqa: F811
-                                                                     backend):  # noqa: F811
+async def test_sighup_reloads_peers_and_reports_what_needs_a_restart(root, tmp_path,
+                                                                     backend):
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "peer": _peer_tls(root), "peers": _static("b")})
     ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
@@ -127,8 +126,8 @@ async def _contains(tmp: Path, text: str) -> bool:
     return text in _log(tmp)
 
 
-async def test_sigterm_fails_readyz_then_serves_for_the_shutdown_delay(root, tmp_path,  # noqa: F811
-                                                                       backend):  # noqa: F811
+async def test_sigterm_fails_readyz_then_serves_for_the_shutdown_delay(root, tmp_path,
+                                                                       backend):
     """A long delay, ended by a second signal: nothing here depends on how long it is."""
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, extra={
         "timeouts": {"shutdownGracePeriod": "2s", "shutdownDelay": "10m"}})

@@ -15,13 +15,12 @@ import contextlib
 import ssl
 
 import pytest
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     WAIT,
     Cluster,
     body_of,
     cluster,
     ready,
-    root,  # noqa: F401
     status_of,
 )
 from reliability import record

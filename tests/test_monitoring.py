@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from daemon_support import PODGROUPS, cluster, ready, root  # noqa: F401
+from daemon_support import PODGROUPS, cluster, ready
 from prometheus_client import generate_latest
 from scripts_support import debian_tool, script
 from prometheus_client.parser import text_string_to_metric_families
@@ -251,7 +251,7 @@ def unknown_metrics(exprs: list[str], exported: set[str]) -> dict[str, str]:
             if name not in exported and name not in EXTERNAL}
 
 
-async def test_rules_and_dashboard_use_only_metrics_mvproxy_exports(aiohttp_server, root):  # noqa: F811
+async def test_rules_and_dashboard_use_only_metrics_mvproxy_exports(aiohttp_server, root):
     async with cluster(aiohttp_server, root) as c:
         await ready(c)
         # Traffic, so the labelled families have series too: a reroute to the peer,

@@ -29,7 +29,8 @@ def view_with_peer(reachable: bool = True):
 def index_body() -> bytes:
     return json.dumps({"paths": {
         "api/v1": {"serverRelativeURL": "/openapi/v3/api/v1?hash=AA"},
-        "apis/scheduling.k8s.io/v1": {"serverRelativeURL": "/openapi/v3/apis/scheduling.k8s.io/v1?hash=BB"},
+        "apis/scheduling.k8s.io/v1": {
+            "serverRelativeURL": "/openapi/v3/apis/scheduling.k8s.io/v1?hash=BB"},
     }}).encode()
 
 

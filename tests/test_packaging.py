@@ -97,7 +97,7 @@ def test_the_lock_pins_every_dependency_with_hashes():
               *(r for extra in project["optional-dependencies"].values() for r in extra)]
     assert set(project["optional-dependencies"]) == {"test", "lint"}
     lock = _lock()
-    for name, (version, hashes) in lock.items():
+    for name, (_, hashes) in lock.items():
         assert hashes, f"{name} has no --hash in requirements.lock"
     for text in wanted:
         requirement = Requirement(text)

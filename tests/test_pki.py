@@ -1,4 +1,5 @@
-"""Tests for mvproxy.devpki and mvproxy.tls: the generated layout, SSL contexts and certificate checks."""
+"""Tests for mvproxy.devpki and mvproxy.tls: the generated layout, SSL contexts and
+certificate checks."""
 
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def problems(text: str) -> list[str]:
             if selector:
                 labels = set(re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=|,|\}|$)", selector[1:]))
                 if labels - metrics[name]:
-                    found.append(f"metric {name!r} has no label(s) {sorted(labels - metrics[name])}")
+                    missing = sorted(labels - metrics[name])
+                    found.append(f"metric {name!r} has no label(s) {missing}")
 
     keys = dotted_keys_of()
     tops = {k.split(".")[0] for k in keys}

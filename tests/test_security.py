@@ -26,14 +26,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PODGROUPS,
     Cluster,
     body_of,
     cluster,
     fake_server,
     ready,
-    root,  # noqa: F401
     status_of,
 )
 from pki_support import issue

@@ -504,7 +504,7 @@ def test_legacy_discovery_walk_matches_catalog(cluster, context: str, version: s
         assert group_list["kind"] == "APIGroupList"
         groups = [g for g in catalog.groups if g.name]
         assert [g["name"] for g in group_list["groups"]] == [g.name for g in groups]
-        for served, g in zip(group_list["groups"], groups):
+        for served, g in zip(group_list["groups"], groups, strict=True):
             assert [v["version"] for v in served["versions"]] == [v.version for v in g.versions]
             assert [v["groupVersion"] for v in served["versions"]] == \
                 [f"{g.name}/{v.version}" for v in g.versions]

@@ -17,7 +17,6 @@ import pytest
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.simserver import SIM, build_app
 from mvproxy.devcluster.store import Key, Store
-from test_sim_resources import client, store_path  # noqa: F401 - shared fixtures
 
 SECRETS = "/api/v1/namespaces/default/secrets"
 CONFIGMAPS = "/api/v1/namespaces/default/configmaps"

@@ -34,19 +34,6 @@ def deployment(name, replicas=1):
                                   "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}}
 
 
-@pytest.fixture
-def store_path(tmp_path):
-    return tmp_path / "store.db"
-
-
-@pytest.fixture
-async def client(aiohttp_client, store_path):
-    with Store(store_path, event_retention=50) as store:
-        app = build_app(catalog=load_catalog("1.36"), store=store, server_id="sim-a",
-                        bookmark_interval=0.1)
-        yield await aiohttp_client(app)
-
-
 async def call(client, method, path, body=None, *, status=200, ctype="application/json",
                accept=None):
     headers = {"Accept": accept} if accept else {}
@@ -107,7 +94,8 @@ async def test_cluster_scoped_resources(client):
 
 
 async def test_system_namespaces_exist_and_namespaces_work(client):
-    names = [n["metadata"]["name"] for n in (await call(client, "GET", "/api/v1/namespaces"))["items"]]
+    names = [n["metadata"]["name"] for n in (await call(client, "GET",
+                                                        "/api/v1/namespaces"))["items"]]
     assert {"default", "kube-system", "kube-public"} <= set(names)
     ns = await call(client, "POST", "/api/v1/namespaces",
                     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team"}},

@@ -245,6 +245,16 @@ def test_protobuf_hostile_review_bodies_are_clear_errors(raw: bytes) -> None:
         protobuf.decode(_envelope("authorization.k8s.io/v1", "SubjectAccessReview", raw))
 
 
+@pytest.mark.parametrize("envelope", [
+    _key(1, 0) + b"\x05",  # typeMeta as a varint
+    _ld(1, _ld(1, b"authorization.k8s.io/v1") + _ld(2, b"SubjectAccessReview"))
+    + _key(2, 0) + b"\x05",  # the object as a varint
+])
+def test_protobuf_hostile_envelopes_are_clear_errors(envelope: bytes) -> None:
+    with pytest.raises(protobuf.ProtobufError):
+        protobuf.decode(protobuf.MAGIC + envelope)
+
+
 def test_hostile_protobuf_review_over_http_is_415_not_500(cluster: DemoCluster) -> None:
     for raw in (_key(2, 0) + b"\x05", _ld(2, _ld(5, b"\x01")), _ld(2, b"\x80")):
         got = _post_raw(cluster, SSAR, _envelope("authorization.k8s.io/v1",

@@ -12,8 +12,8 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
-from daemon_support import PEER_ID, PODGROUPS, SELF, cluster, ready, root  # noqa: F401
-from process_support import admin_get, backend, start_daemon, wait_ready  # noqa: F401
+from daemon_support import PEER_ID, PODGROUPS, SELF, cluster, ready
+from process_support import admin_get, start_daemon, wait_ready
 
 from mvproxy.cache import DiscoveryCache
 from mvproxy.devcluster.catalog import load_catalog
@@ -152,7 +152,7 @@ def test_route_explains_local_peer_unavailable_and_nobody():
 # --------------------------------------------------------------------------- daemon
 
 
-async def test_endpoints_on_a_running_daemon(aiohttp_server, root):  # noqa: F811
+async def test_endpoints_on_a_running_daemon(aiohttp_server, root):
     async with cluster(aiohttp_server, root, extra_peers=1,
                        peer_groups=[group(HOSTILE_GROUP)]) as c:
         await ready(c)
@@ -192,14 +192,14 @@ async def test_endpoints_on_a_running_daemon(aiohttp_server, root):  # noqa: F81
     "/debug/mvproxy/route?path=%2F%ff%fe%00",
     "/debug/mvproxy/route?path=/api&peerProxied=1",
 ])
-async def test_route_answers_hostile_input_with_a_json_400(aiohttp_server, root, target):  # noqa: F811
+async def test_route_answers_hostile_input_with_a_json_400(aiohttp_server, root, target):
     async with cluster(aiohttp_server, root) as c:
         status, text = await c.admin_get(target)
         assert status == 400, text
         assert set(json.loads(text)) == {"error"}
 
 
-async def test_route_never_fails_on_odd_paths(aiohttp_server, root):  # noqa: F811
+async def test_route_never_fails_on_odd_paths(aiohttp_server, root):
     """Paths the parser finds strange still get an explanation, never a 500."""
     odd = ["/", "//", "/api/v1/watch", "/apis//v1//", "/api/v1/namespaces//pods/", "/%",
            "/apis/a/b/c/d/e/f/g/h/i", "/api/v1/pods?fieldSelector=metadata.name%3D%3D",
@@ -218,7 +218,7 @@ async def test_route_never_fails_on_odd_paths(aiohttp_server, root):  # noqa: F8
 # --------------------------------------------------------------------------- workers
 
 
-async def test_endpoints_through_the_workers_supervisor(backend, root, tmp_path):  # noqa: F811
+async def test_endpoints_through_the_workers_supervisor(backend, root, tmp_path):
     proc, port, admin, stop = start_daemon(root, tmp_path, backend, args=("--workers", "2"))
     try:
         await wait_ready(admin)

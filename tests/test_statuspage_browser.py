@@ -13,7 +13,7 @@ import re
 from html.parser import HTMLParser
 
 from browser import chromium, run
-from daemon_support import PEER_ID, PODGROUPS, SELF, cluster, ready, root  # noqa: F401
+from daemon_support import PEER_ID, PODGROUPS, SELF, cluster, ready
 
 HOSTILE_GROUP = "x.evil.io<script>document.title='owned'</script>"
 SERVERS = (SELF, PEER_ID, f"{PEER_ID}-0")
@@ -61,7 +61,7 @@ class Page(HTMLParser):
 
 
 async def test_status_page_in_chromium_shows_peers_and_a_peer_going_down(
-        aiohttp_server, root, tmp_path, capsys):  # noqa: F811
+        aiohttp_server, root, tmp_path, capsys):
     binary = chromium()
     async with cluster(aiohttp_server, root, extra_peers=1, peer_groups=[hostile_group()],
                        staleAfter="500ms") as c:

@@ -475,7 +475,7 @@ def test_watch_progress_reports_the_cursor_after_events_are_taken(store):
 
     async def until(condition):
         async with asyncio.timeout(5):
-            while not condition():
+            while not condition():  # noqa: ASYNC110 - reads the watch task's progress
                 await asyncio.sleep(0.01)
 
     async def go():

@@ -15,7 +15,7 @@ import tracemalloc
 
 from aiohttp import web
 
-from test_app import cluster, root, synced  # noqa: F401 - root is a fixture
+from test_app import cluster, synced
 
 BODY = 64 * 1024 * 1024
 CHUNK = 256 * 1024

@@ -316,7 +316,8 @@ async def test_connections_are_reused(serve, transport, client_ctx):
     seen: list[int] = []
     up = upstream(await serve(app_with(peer_ports(seen))), client_ctx)
     for _ in range(5):
-        assert (await transport.fetch(up, "/api", headers={}, timeout=2, max_bytes=10)).body == b"ok"
+        assert (await transport.fetch(up, "/api", headers={}, timeout=2,
+                                      max_bytes=10)).body == b"ok"
     assert len(seen) == 5 and len(set(seen)) == 1
     assert repr(transport.pool(up)) == "<Pool peer-b: 0 busy, 1 idle>"
 

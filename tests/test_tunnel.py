@@ -24,7 +24,7 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 from yarl import URL
 
-from mvproxy import devpki, forwarding, tls, tunnel
+from mvproxy import devpki, forwarding, tls
 from mvproxy.devcluster.simexec import handle_exec
 from mvproxy.errors import UpstreamConnectError, UpstreamProtocolError
 from mvproxy.forwarding import ForwardError

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from daemon_support import (  # root: the module's PKI fixture
+from daemon_support import (
     PEER_ID,
     PODGROUPS,
     PODGROUPS_GVR,
@@ -25,7 +25,6 @@ from daemon_support import (  # root: the module's PKI fixture
     cluster,
     cut_short,
     ready,
-    root,  # noqa: F401
 )
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon_support import root  # noqa: F401 - root: the PKI fixture
-from process_support import WAIT, admin_get, backend, get, start_daemon, wait_ready  # noqa: F401
+from process_support import WAIT, admin_get, get, start_daemon, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 from mvproxy import tls
@@ -48,7 +47,7 @@ async def worker_pids(admin: int) -> list[int | None]:
 
 async def until(probe, what: str, timeout: float = WAIT):
     async with asyncio.timeout(timeout):
-        while not (result := await probe()):
+        while not (result := await probe()):  # noqa: ASYNC110 - probes other processes
             await asyncio.sleep(0.1)
     assert result, what
     return result
@@ -152,7 +151,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(backend, root, tmp_p
     (False, "cannot listen on 127.0.0.1:{port}"),
     (True, "another process is already serving it"),
 ], ids=["taken by another program", "shared by another mvproxy"])
-async def test_a_port_already_in_use_exits_2(backend, root, tmp_path, reuse_port,  # noqa: F811
+async def test_a_port_already_in_use_exits_2(backend, root, tmp_path, reuse_port,
                                              message):
     """A port another program holds cannot be bound; one another instance listens on
     with SO_REUSEPORT could be, and would quietly take half the first one's clients,
@@ -184,7 +183,7 @@ def test_a_worker_count_out_of_range_is_named(tmp_path, value):
     assert "workers: must be " in done.stderr, done.stderr
 
 
-async def test_a_process_squatting_a_workers_socket_is_not_believed(root, tmp_path):  # noqa: F811
+async def test_a_process_squatting_a_workers_socket_is_not_believed(root, tmp_path):
     """The admin sockets are abstract (no file): another local process could bind a
     worker's name first. The supervisor checks who answers (SO_PEERCRED)."""
     cfg = load_config(None, overrides={

@@ -150,7 +150,7 @@ def _gv(group: str, version: str) -> str:
     return f"{group}/{version}" if group else version
 
 
-def _runtime_key(key: str) -> tuple[str, ...]:
+def _runtime_key(key: str) -> tuple[str, str] | tuple[str, str, str, str]:
     """``(group, version)`` or ``(group, version, resource, subresource)``; "" is core."""
     parts = key.strip().removeprefix("/").split("/")
     if any(not p for p in parts):
@@ -160,9 +160,9 @@ def _runtime_key(key: str) -> tuple[str, ...]:
     if len(parts) == 2:
         return ("" if parts[0] in _CORE_PREFIXES else parts[0], parts[1])
     if len(parts) == 3:  # "v1/pods/exec": a core subresource
-        return ("", *parts)
+        return ("", parts[0], parts[1], parts[2])
     if len(parts) == 4:
-        return tuple(parts)
+        return (parts[0], parts[1], parts[2], parts[3])
     raise ValueError(f"runtime-config key {key!r}: expected group/version or "
                      f"group/version/resource/subresource")
 

@@ -389,7 +389,7 @@ def running_pids(directory: StrPath) -> list[int]:
             for part in ("proxy", "backend"):
                 if isinstance(server.get(part), dict):
                     pids.append(server[part].get("pid"))
-    return [p for p in pids if _pid_alive(p)]  # type: ignore[misc]
+    return [p for p in pids if isinstance(p, int) and _pid_alive(p)]
 
 
 # --------------------------------------------------------------------------- files
@@ -532,7 +532,7 @@ def start_cluster(
     store = root / "store.db"
     logs = root / "logs"
     servers: list[ServerInfo] = []
-    for index, (sid, version, triple) in enumerate(zip(ids, versions, ports)):
+    for index, (sid, version, triple) in enumerate(zip(ids, versions, ports, strict=True)):
         sub = root / sid
         sub.mkdir(exist_ok=True)
         config = sub / "mvproxy.yaml"

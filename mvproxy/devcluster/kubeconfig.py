@@ -27,7 +27,13 @@ def _absolute(path: StrPath) -> str:
 def _user_entry(name: str, creds: Mapping[str, object]) -> dict[str, str]:
     keys = frozenset(creds)
     if keys == _CERT_KEYS:
-        return {k: _absolute(creds[k]) for k in ("client-certificate", "client-key")}
+        entry = {}
+        for key in ("client-certificate", "client-key"):
+            path = creds[key]
+            if not isinstance(path, (str, os.PathLike)):
+                raise ValueError(f"user {name!r}: {key} must be a path")
+            entry[key] = _absolute(path)
+        return entry
     if keys == _TOKEN_KEYS:
         token = creds["token"]
         if not isinstance(token, str) or "\n" in token:

@@ -1,7 +1,8 @@
 """Decode the Kubernetes protobuf request bodies that kubectl sends.
 
 ``kubectl create namespace|configmap|secret|deployment|serviceaccount`` and ``kubectl
-auth can-i|whoami`` (1.3x) POST built-in objects as ``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
+auth can-i|whoami`` (1.3x) POST built-in objects as
+``application/vnd.kubernetes.protobuf``: the magic ``k8s\\0``, then
 a ``runtime.Unknown`` envelope (TypeMeta, raw message bytes). Without schemas the raw
 bytes are only numbered fields, so this module carries hand-written field maps for
 those kinds (just the fields those commands set, plus the common metadata). Fields
@@ -126,7 +127,7 @@ SUBJECT_ACCESS_REVIEW_SPEC = {
     3: ("user", "str"), 4: ("groups", ["str"]), 5: ("extra", "mapstrings"), 6: ("uid", "str"),
 }
 _ACCESS_REVIEW = {1: ("metadata", OBJECT_META), 2: ("spec", SUBJECT_ACCESS_REVIEW_SPEC)}
-_REVIEW_KINDS = {
+_REVIEW_KINDS: dict[tuple[str, str], dict] = {
     ("authorization.k8s.io/v1", "SubjectAccessReview"): _ACCESS_REVIEW,
     ("authorization.k8s.io/v1", "LocalSubjectAccessReview"): _ACCESS_REVIEW,
     # SelfSubjectAccessReviewSpec: fields 1 and 2 of SubjectAccessReviewSpec, same types.
@@ -255,10 +256,16 @@ def decode(body: bytes) -> dict:
     if not body.startswith(MAGIC):
         raise ProtobufError("missing the k8s protobuf magic prefix")
     envelope = dict(fields(body[len(MAGIC):]))
-    type_meta = dict(fields(envelope.get(1, b"")))
+    type_meta = dict(fields(_message(envelope.get(1, b""), "typeMeta")))
     api_version, kind = _text(type_meta.get(1, b"")), _text(type_meta.get(2, b""))
     schema = KINDS.get((api_version, kind))
     if schema is None:
         raise ProtobufError(f"protobuf bodies of {api_version} {kind} are not supported")
     return {"apiVersion": api_version, "kind": kind,
-            **decode_message(envelope.get(2, b""), schema)}
+            **decode_message(_message(envelope.get(2, b""), "the object"), schema)}
+
+
+def _message(value: int | bytes, what: str) -> bytes:
+    if not isinstance(value, bytes):  # a varint where the envelope has a message
+        raise ProtobufError(f"expected {what} as a length-delimited field")
+    return value

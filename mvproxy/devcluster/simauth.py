@@ -171,14 +171,14 @@ def _peer_certificate(request: web.Request) -> x509.Certificate | None:
         return None
 
 
-def _prefixed_headers(request: web.Request, prefix: str) -> dict[str, list[str]]:
-    """``<prefix><key>: v`` headers as {key: [v...]}; key lowercased, then %-decoded (kube)."""
+def _prefixed_headers(request: web.Request, prefix: str) -> dict[str, tuple[str, ...]]:
+    """``<prefix><key>: v`` headers as {key: (v...)}; key lowercased, then %-decoded (kube)."""
     out: dict[str, list[str]] = {}
     n = len(prefix)
     for name, value in request.headers.items():
         if len(name) > n and name[:n].lower() == prefix.lower():
             out.setdefault(unquote(name[n:].lower()), []).append(value)
-    return out
+    return {key: tuple(values) for key, values in out.items()}
 
 
 def _header_values(request: web.Request, name: str) -> tuple[str, ...]:
@@ -602,7 +602,7 @@ def auth_middleware(authenticator: Authenticator, audit: AuditLog) -> Callable[.
         rec.code = 500  # until we know better (an unexpected exception)
         try:
             # Not `or`: a StreamResponse is a (usually empty, so falsy) mapping.
-            response = _gate(authenticator, request, rec)
+            response: web.StreamResponse | None = _gate(authenticator, request, rec)
             if response is None:
                 response = await handler(request)
             rec.code = response.status

@@ -61,8 +61,8 @@ class Discovery:
             if group.name:
                 self.legacy[base] = Document(dump(discoverydocs.api_group(catalog, group.name)))
             for v in group.versions:
-                doc = discoverydocs.api_resource_list(catalog, group.name, v.version)
-                self.legacy[f"{base}/{v.version}"] = Document(dump(doc))
+                listing = discoverydocs.api_resource_list(catalog, group.name, v.version)
+                self.legacy[f"{base}/{v.version}"] = Document(dump(listing))
 
     def handle(self, request: web.Request, info: RequestInfo) -> web.StreamResponse:
         """Serve ``/api``, ``/apis`` and the per-group/version legacy documents."""

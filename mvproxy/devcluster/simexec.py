@@ -34,7 +34,7 @@ from aiohttp import WSCloseCode, web
 from mvproxy.devcluster.apistatus import status_response
 from mvproxy.requestinfo import RequestInfo
 
-from .spdysession import Session, serve_upgrade
+from .spdysession import Session, Stream, serve_upgrade
 
 __all__ = ["PROTOCOLS", "handle_exec"]
 
@@ -51,7 +51,7 @@ _EXIT = re.compile(r"exit\s+([0-9]{1,3})")
 
 def _flag(request: web.Request, name: str) -> bool:
     """kube's query bool: absent, "false" or "0" is false, anything else true."""
-    values = request.query.getall(name, ())
+    values = request.query.getall(name, [])
     return bool(values) and values[0].lower() not in ("false", "0")
 
 
@@ -105,7 +105,8 @@ def _precheck(request: web.Request, info: RequestInfo) -> str | None:
         return "Upgrade request required"
     if is_spdy(request):
         if spdy_protocol(request, SPDY_PROTOCOLS) is None:
-            return f"unable to upgrade: no supported stream protocol (supports {list(SPDY_PROTOCOLS)})"
+            return ("unable to upgrade: no supported stream protocol "
+                    f"(supports {list(SPDY_PROTOCOLS)})")
     elif not _is_websocket(request):
         return ("only WebSocket and SPDY/3.1 upgrades are supported (subprotocols: "
                 + ", ".join(PROTOCOLS) + ")")
@@ -188,7 +189,7 @@ async def _spdy_exec(session: Session, request: web.Request, info: RequestInfo,
     wanted = {"error"} | {s for s in ("stdin", "stdout", "stderr") if _flag(request, s)}
     if _flag(request, "tty") and protocol != "v2.channel.k8s.io":
         wanted.add("resize")
-    streams = {}
+    streams: dict[str, Stream] = {}
     try:
         async with asyncio.timeout(STREAM_TIMEOUT):
             while not wanted <= streams.keys():

@@ -31,8 +31,10 @@ FOLLOWS = web.AppKey("sim_log_follows", set)
 
 
 def _names(pod: dict, key: str) -> list[str]:
-    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
-    items = spec.get(key) if isinstance(spec.get(key), list) else []
+    spec = pod.get("spec")
+    items = spec.get(key) if isinstance(spec, dict) else None
+    if not isinstance(items, list):
+        return []
     return [c["name"] for c in items if isinstance(c, dict) and isinstance(c.get("name"), str)]
 
 

@@ -131,7 +131,7 @@ async def read_body(request: web.Request) -> object:
     except protobuf.ProtobufError as exc:
         raise RequestError(apistatus.status_response(415, str(exc))) from None
     except (ValueError, yaml.YAMLError) as exc:
-        raise RequestError(apistatus.bad_request(f"error decoding request body: {exc}"))
+        raise RequestError(apistatus.bad_request(f"error decoding request body: {exc}")) from None
     raise RequestError(apistatus.unsupported_media_type())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -138,7 +139,7 @@ class ResourceAPI:
         try:
             await self._run(self.store.get, Key("", "namespaces", "", t.namespace))
         except NotFound:
-            raise RequestError(apistatus.object_not_found("", "namespaces", t.namespace))
+            raise RequestError(apistatus.object_not_found("", "namespaces", t.namespace)) from None
 
     async def _update(self, request: web.Request, t: Target) -> web.Response:
         obj = check_object(t, await read_body(request))
@@ -295,7 +296,7 @@ class ResourceAPI:
 
     async def _scale(self, request: web.Request, t: Target) -> web.Response:
         """/scale: an autoscaling/v1 Scale view of .spec.replicas and .status.replicas."""
-        show = lambda o: _scale_view(t, o)  # noqa: E731
+        show = functools.partial(_scale_view, t)
         if t.info.verb == "get":
             return json_response(show(await self._load(t, t.path_name)))
         if t.info.verb == "patch":

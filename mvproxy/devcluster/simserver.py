@@ -45,7 +45,7 @@ _SHUTDOWN_GRACE = 5.0
 _KUBE_ONLY_PATHS = ("/logs", "/debug", "/.well-known", "/openid",
                     "/flowcontrol", "/ui")
 
-SIM = web.AppKey("sim", "Sim")
+SIM: web.AppKey[Sim] = web.AppKey("sim")
 
 
 class Sim:

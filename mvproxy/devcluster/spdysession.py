@@ -98,6 +98,7 @@ class Session:
 
     def _handle(self, frame: Frame) -> None:
         t, sid = frame.type, frame.stream_id
+        stream: Stream | None
         if t == spdy.SYN_STREAM:
             if sid in self.streams or sid % 2 == 0 or len(self.streams) >= MAX_STREAMS:
                 self._write(Frame(spdy.RST_STREAM, sid, value=spdy.REFUSED_STREAM))

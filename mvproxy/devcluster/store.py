@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins  # Store.list shadows list inside the class body
 import binascii
 import json
 import os
@@ -165,9 +166,11 @@ def _label_requirement(req: str) -> Callable[[dict[str, str]], bool]:
 
 def _int_compare(label: str | None, op: str, bound: int) -> bool:
     """``gt``/``lt`` match only labels that parse as integers, as in apimachinery."""
+    if label is None:
+        return False
     try:
-        n = int(label)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        n = int(label)
+    except ValueError:
         return False
     return n > bound if op == ">" else n < bound
 
@@ -577,7 +580,7 @@ class Store:
 
     def _events_after(
         self, group: str, resource: str, namespace: str | None, resource_version: int
-    ) -> tuple[list[tuple[WatchEvent, dict | None]], int]:
+    ) -> tuple[builtins.list[tuple[WatchEvent, dict | None]], int]:
         """Events newer than ``resource_version`` (with each MODIFIED's previous object),
         and the global rv they were read at: a watch's next cursor even when none matched."""
         where, args = _scope(namespace)
@@ -602,7 +605,7 @@ class Store:
 
     def events_since(
         self, group: str, resource: str, namespace: str | None, resource_version: int
-    ) -> list[WatchEvent]:
+    ) -> builtins.list[WatchEvent]:
         """Events with rv > ``resource_version``, oldest first; Expired if already pruned."""
         return [ev for ev, _ in self._events_after(group, resource, namespace, resource_version)[0]]
 
