@@ -320,7 +320,8 @@ class Proxy:
                                                 max_bytes=OPENAPI_INDEX_MAX_BYTES)
         except UpstreamError as exc:
             throttled.warning(log, "backend openapi index request failed", error=str(exc)[:300])
-            reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after))
+            reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after,
+                                             idempotent=exchange.method in forwarding.IDEMPOTENT))
             return
         body = answer.body
         if answer.status == 200:

@@ -355,6 +355,16 @@ async def test_a_failed_probe_is_a_status_with_retry_after_never_the_merged_view
             assert status == 200, (path, body)
 
 
+async def test_a_failed_openapi_index_fetch_is_a_status_with_retry_after(aiohttp_server, root):
+    """``GET /openapi/v3`` (the index mvproxy merges) fails like a discovery probe: the
+    Status a GET gets, Retry-After included (kubectl retries it), never a bare 500."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        for mode, code, reason, message in PROBE_FAILURES:
+            status, fields, body = await _as(c, "/openapi/v3", mode)
+            assert (status, body) == (code, _status(code, reason, message)), mode
+            assert fields.get("Retry-After") == "1", mode
+
+
 async def test_a_probe_the_backend_answers_with_an_error_is_relayed(aiohttp_server, root):
     """A backend that answers the probe with something other than a yes (here a 500) is
     relayed as if the request had been forwarded: its code and its Status."""
