@@ -27,18 +27,18 @@ from aiohttp import web
 
 from mvproxy import reload
 from mvproxy.admin import build_admin_app
-from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.cache import DiscoveryCache
+from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.config import Config
 from mvproxy.discoveryhandler import DiscoveryHandler
+from mvproxy.dnsmembership import DNSMembership
 from mvproxy.errors import UsageError
 from mvproxy.handlers import Proxy
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
-from mvproxy.listener import Limits, Listener
-from mvproxy.logs import kv
-from mvproxy.dnsmembership import DNSMembership
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
+from mvproxy.listener import Limits, Listener
+from mvproxy.logs import kv
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
 from mvproxy.polling import Poller, PollSettings

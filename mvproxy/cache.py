@@ -23,6 +23,7 @@ from types import MappingProxyType
 from mvproxy import discovery
 from mvproxy.discovery import Snapshot
 
+
 @dataclass(frozen=True)
 class ServerState:
     """What is known about one server's discovery."""

@@ -25,8 +25,8 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from multidict import CIMultiDict
 

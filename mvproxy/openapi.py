@@ -19,6 +19,7 @@ import json
 
 from mvproxy.cache import CacheView
 
+
 def _path_key(group: str, version: str) -> str:
     return f"api/{version}" if group == "" else f"apis/{group}/{version}"
 

@@ -25,9 +25,9 @@ from daemon_support import (
     PODGROUPS_GVR,
     WAIT,
     Cluster,
+    backend_synced,
     cluster,
     header,
-    backend_synced,
     synced,
 )
 
@@ -35,6 +35,7 @@ from mvproxy import devpki
 from mvproxy.app import _peer_upstreams, build_daemon
 from mvproxy.configfile import load_config
 from mvproxy.membership import Peer, StaticMembership
+
 
 async def test_routes_by_capability_with_verified_identity(aiohttp_server, root):
     async with cluster(aiohttp_server, root) as c:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scripts_support import script
 from process_support import (
     admin_get,
     daemon_config,
@@ -23,6 +22,7 @@ from process_support import (
     stop_process,
     wait_ready,
 )
+from scripts_support import script
 
 import mvproxy
 from mvproxy import tls

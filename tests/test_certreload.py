@@ -24,10 +24,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from daemon_support import PEER_ID, PODGROUPS, WAIT, cluster, ready
+from pki_support import issue, replace
 from process_support import start_daemon, wait_ready
 
 from mvproxy import devpki, tls
-from pki_support import issue, replace
 from mvproxy.certreload import CertificateReloader, Material, Unit
 from mvproxy.identity import ANONYMOUS, USER, IdentityResolver
 

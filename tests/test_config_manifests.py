@@ -24,10 +24,9 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
+from sidecar_support import CONFIG, KUBEADM, NODE_NAME, SIDECAR, config_argv, dev_config, node
 
 from mvproxy.devpki import init_pki
-
-from sidecar_support import CONFIG, KUBEADM, NODE_NAME, SIDECAR, config_argv, dev_config, node
 
 VERSIONS = ("1.35", "1.36")
 #: API groups whose documents other tests check (they are not Kubernetes API objects

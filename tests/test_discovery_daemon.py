@@ -19,8 +19,8 @@ from aiohttp import web
 from daemon_support import (
     WAIT,
     Cluster,
-    cut_short,
     cluster,
+    cut_short,
     ready,
 )
 

@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterator
 
 import pytest
-
 from e2e_support import (
     AGGREGATED_V2,
     AGGREGATED_V2BETA1,
@@ -28,6 +27,7 @@ from e2e_support import (
     resource_names,
     wait_peer_unreachable,
 )
+
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 

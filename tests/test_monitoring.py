@@ -18,8 +18,8 @@ import pytest
 import yaml
 from daemon_support import PODGROUPS, cluster, ready
 from prometheus_client import generate_latest
-from scripts_support import debian_tool, script
 from prometheus_client.parser import text_string_to_metric_families
+from scripts_support import debian_tool, script
 
 from mvproxy.workers import Supervisor
 

@@ -170,8 +170,8 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
 @pytest.mark.slow
 def test_wheel_ships_the_release_catalogs():
     """`mvproxy sim` and the demo read them at run time; the wheel has no tests/data."""
-    import zipfile
     import tempfile
+    import zipfile
 
     with tempfile.TemporaryDirectory() as tmp:
         _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", tmp, str(ROOT))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mvproxy.devcluster.patching import (
-    PatchError, json_patch, merge_patch, strategic_merge_patch,
+    PatchError,
+    json_patch,
+    merge_patch,
+    strategic_merge_patch,
 )
 
 # --- RFC 7386: the examples of its appendix A --------------------------------------------

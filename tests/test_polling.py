@@ -29,8 +29,8 @@ from mvproxy.metrics import Metrics
 from mvproxy.polling import (
     POLL_IDENTITY,
     REASONS,
-    PollSettings,
     Poller,
+    PollSettings,
     _ServerPoll,
     failure_reason,
     sync_error_types,

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from e2e_support import (
     LEGACY_ACCEPT,
     WAIT_TIMEOUT,
@@ -41,6 +40,7 @@ from e2e_support import (
     wait_peer_unreachable,
     wait_until,
 )
+
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 
 OLD, OLD2, NEW = "apiserver-0", "apiserver-1", "apiserver-2"  # 1.35, 1.35, 1.36

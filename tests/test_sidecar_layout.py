@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sidecar_support import KUBEADM, NODE_NAME, config_argv, container, dev_config, node
 
 from mvproxy.cli import build_parser, config_overrides
 from mvproxy.configfile import load_config
@@ -25,8 +26,6 @@ from mvproxy.devcluster.simendpoints import ENDPOINTS, SLICE, publish, withdraw
 from mvproxy.devcluster.store import Store
 from mvproxy.devpki import init_pki
 from mvproxy.tls import client_context
-
-from sidecar_support import KUBEADM, NODE_NAME, config_argv, container, dev_config, node
 
 NODE_IP = "127.0.0.5"  # the node's IP (status.hostIP), on loopback
 

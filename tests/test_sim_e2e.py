@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from e2e_support import LineReader, stop_popen
 
 from mvproxy.devcluster.catalog import Catalog, load_catalog
 from mvproxy.devcluster.kubeconfig import write_kubeconfig
 from mvproxy.devcluster.launcher import SimProcess, free_port, write_token_file
 from mvproxy.devpki import init_pki
-from e2e_support import LineReader, stop_popen
 
 READY_TIMEOUT = 30.0
 WAIT_TIMEOUT = 15.0  # for things that happen asynchronously (a watch event, an audit line)

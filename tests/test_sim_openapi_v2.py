@@ -24,8 +24,13 @@ from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 from mvproxy.devcluster.protobuf import fields
 from mvproxy.devcluster.protoencode import varint
-from mvproxy.devcluster.simopenapiv2 import (PROTOBUF, PROTOBUF_ANSWER, document,
-                                             encode_document, wants_protobuf)
+from mvproxy.devcluster.simopenapiv2 import (
+    PROTOBUF,
+    PROTOBUF_ANSWER,
+    document,
+    encode_document,
+    wants_protobuf,
+)
 
 CONTEXTS = ["apiserver-0", "apiserver-0-direct"]
 CM = "io.k8s.api.core.v1.ConfigMap"

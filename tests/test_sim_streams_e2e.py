@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import kubectl_env
 from e2e_support import LineReader, request, stop_popen
 from kubectl import kubectl_binary
+
 from mvproxy.devcluster.demo import DemoCluster, start_cluster
 
 CONTEXTS = ["apiserver-0", "apiserver-0-direct"]

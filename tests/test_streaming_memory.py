@@ -14,7 +14,6 @@ import hashlib
 import tracemalloc
 
 from aiohttp import web
-
 from test_app import cluster, synced
 
 BODY = 64 * 1024 * 1024

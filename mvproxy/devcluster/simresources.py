@@ -22,8 +22,19 @@ from . import apistatus, patching, simlogs, simreviews, simwatch, tables
 from .catalog import Catalog
 from .mediatypes import LIST_CONVERSIONS, OBJECT_CONVERSIONS, Negotiated, negotiate
 from .simobjects import (
-    RequestError, Target, apply_defaults, check_namespace, check_object, check_url_name,
-    dry_run, json_response, name_for_create, present, read_body, resolve, success_status,
+    RequestError,
+    Target,
+    apply_defaults,
+    check_namespace,
+    check_object,
+    check_url_name,
+    dry_run,
+    json_response,
+    name_for_create,
+    present,
+    read_body,
+    resolve,
+    success_status,
 )
 from .store import AlreadyExists, Conflict, Key, NotFound, Store
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import builtins  # Store.list shadows list inside the class body
 import binascii
+import builtins  # Store.list shadows list inside the class body
 import json
 import os
 import re
