@@ -1,7 +1,9 @@
 # mvproxy container image: the daemon's runtime only, run as an unprivileged user.
 # Stage 1 installs the runtime section of the lock (requirements.lock, selected by
 # scripts/lock.py: no test or lint tool; every file checked against its sha256) and
-# the wheel of this tree into a virtual environment, then
+# the wheel of this tree, built by the lock's pinned backend (setuptools, in a venv of
+# its own that never reaches the image; no build isolation, nothing unpinned is
+# downloaded), into a virtual environment, then
 # prunes the simulator (scripts/prune_runtime.py); stage 2 copies only that
 # environment, so no compiler, pip cache, source tree or simulator data reaches the
 # runtime image.
@@ -9,15 +11,18 @@
 # python:3.11.14-slim-bookworm tag; the tag is kept for people, the digest decides.
 FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS build
 WORKDIR /src
-COPY requirements.lock ./
+COPY requirements.lock pyproject.toml ./
 COPY scripts/lock.py ./scripts/
 RUN python scripts/lock.py select runtime --output runtime-requirements.txt \
+ && python scripts/lock.py select build --output build-requirements.txt \
  && python -m venv /opt/mvproxy \
- && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps --require-hashes -r runtime-requirements.txt
-COPY pyproject.toml README.md ./
+ && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps --require-hashes -r runtime-requirements.txt \
+ && python -m venv /opt/build \
+ && /opt/build/bin/pip install --no-cache-dir --no-deps --require-hashes -r build-requirements.txt
+COPY README.md ./
 COPY mvproxy ./mvproxy
 COPY scripts/prune_runtime.py ./scripts/
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels . \
  && /opt/mvproxy/bin/pip install --no-cache-dir --no-deps /wheels/*.whl \
  && python scripts/prune_runtime.py /opt/mvproxy/lib/python3.11/site-packages
 

@@ -4,7 +4,9 @@ One parser for the daemon's discovery negotiation (``discovery.negotiate``) and 
 simulator's (``devcluster.mediatypes``); what each can *serve* is theirs to decide.
 Clauses come best first: by falling q, then concrete before wildcard types, keeping
 the client's order among equals. A clause with q=0, an unparsable or NaN q, or no
-``type/subtype`` is left out; a bare ``*`` is read as ``*/*``, as goautoneg does.
+``type/subtype`` is left out; a bare ``*`` is read as ``*/*``, as goautoneg does. Only
+the first ``MAX_CLAUSES`` clauses (and ``MAX_PARAMS`` parts of each) are read: unlike
+goautoneg, which reads them all, so a huge header cannot buy CPU time.
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ def _quality(text: str) -> float:
     return q if q == q else 0.0  # NaN
 
 
+MAX_CLAUSES = 64
+"""Clauses read from one Accept header; later ones are ignored. Real clients send one to
+four; without a bound a 1 MiB header of clauses costs a quarter second of CPU to sort,
+on every request that sends it."""
+MAX_PARAMS = 16
+"""Parameters read from one clause (kube's discovery types use three, plus ``q``)."""
+
+
 def _clause(text: str) -> MediaRange | None:
-    media_type, *raw_params = text.split(";")
+    media_type, *raw_params = text.split(";", MAX_PARAMS)[:MAX_PARAMS]
     media_type = media_type.strip().lower()
     if media_type == "*":
         media_type = "*/*"
@@ -56,5 +66,6 @@ def rank(r: MediaRange) -> tuple[float, bool, bool]:
 def parse_accept(header: str) -> list[MediaRange]:
     """The acceptable clauses of ``header``, best first (sorting is stable: equal ranks
     keep the client's order)."""
-    ranges = [r for r in (_clause(part) for part in header.split(",") if part.strip()) if r]
+    parts = header.split(",", MAX_CLAUSES)[:MAX_CLAUSES]
+    ranges = [r for r in (_clause(part) for part in parts if part.strip()) if r]
     return sorted(ranges, key=rank)

@@ -169,7 +169,8 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
     runtime = work / "runtime-requirements.txt"
     _run(sys.executable, ROOT / "scripts" / "lock.py", "select", "runtime", "-o", runtime)
     _run(*pip, "install", "--no-deps", "--require-hashes", "--target", site, "-r", runtime)
-    _run(*pip, "wheel", "--no-deps", "--wheel-dir", wheels, ROOT)
+    # The venv holds the lock's build backend: nothing unpinned is downloaded to build.
+    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", wheels, ROOT)
     (wheel,) = wheels.glob("mvproxy-*.whl")
     _run(*pip, "install", "--no-deps", "--upgrade", "--target", site, wheel)
     _run(python, ROOT / "scripts" / "prune_runtime.py", site)

@@ -122,10 +122,30 @@ def assemble(runtime: str, everything: str) -> str:
     return "".join(out)
 
 
-def select(text: str, section: str) -> str:
-    """One section of the lock as a requirements file of its own."""
-    chosen = sections(text)[section]
-    return (f"# The [{section}] section of requirements.lock (scripts/lock.py select)\n"
+BUILD = "build"
+"""Not a section: the lock's pins of ``build-system.requires`` (the build backend), for
+building mvproxy's wheel with ``--no-build-isolation`` (image, binary)."""
+
+
+def build_requires(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The canonical names ``build-system.requires`` lists."""
+    requires = tomllib.loads(pyproject.read_text())["build-system"]["requires"]
+    return [canonical(re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0]) for r in requires]
+
+
+def select(text: str, section: str, pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """One section of the lock (or the build backend's pins) as a requirements file."""
+    if section == BUILD:
+        pinned = {name: entry for part in sections(text).values()
+                  for name, entry in part.items()}
+        missing = [name for name in build_requires(pyproject) if name not in pinned]
+        if missing:
+            raise ValueError(f"build-system.requires not in requirements.lock: {missing}; "
+                             f"run `{REFRESH}`")
+        chosen = {name: pinned[name] for name in build_requires(pyproject)}
+    else:
+        chosen = sections(text)[section]
+    return (f"# The [{section}] pins of requirements.lock (scripts/lock.py select)\n"
             + "".join(chosen[name] + "\n" for name in sorted(chosen)))
 
 
@@ -152,8 +172,7 @@ def refresh(upgrade: bool = False) -> None:
     if sys.version_info[:2] != (3, 11):
         sys.exit(f"lock.py refresh: run it with CPython 3.11 (the lock's version), "
                  f"this is {sys.version.split()[0]}")
-    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())[
-        "build-system"]["requires"]
+    backend = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     with tempfile.TemporaryDirectory(prefix="mvproxy-lock-") as tmp_name:
         tmp = Path(tmp_name)
         compile_ = _pip_compile(tmp) + [
@@ -169,7 +188,7 @@ def refresh(upgrade: bool = False) -> None:
         pins = tmp / "runtime-pins.txt"
         pins.write_text("".join(pin(e) + "\n" for e in entries(runtime.read_text()).values()))
         build = tmp / "build-system.in"
-        build.write_text(f"-c {pins}\n" + "".join(f"{r}\n" for r in build_requires))
+        build.write_text(f"-c {pins}\n" + "".join(f"{r}\n" for r in backend))
         subprocess.run(compile_ + ["--extra", "test", "--extra", "lint", "--output-file",
                                    str(everything), "pyproject.toml", str(build)],
                        cwd=ROOT, check=True, env=_isolated_env(), timeout=1800)
@@ -184,7 +203,7 @@ def main(argv: list[str]) -> int:
     fresh = sub.add_parser("refresh", help="regenerate requirements.lock (needs PyPI)")
     fresh.add_argument("--upgrade", action="store_true", help="newest releases")
     pick = sub.add_parser("select", help="print one section as a requirements file")
-    pick.add_argument("section", choices=SECTIONS)
+    pick.add_argument("section", choices=(*SECTIONS, BUILD))
     pick.add_argument("--lock", type=Path, default=LOCK)
     pick.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
     args = parser.parse_args(argv)

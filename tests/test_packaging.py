@@ -58,6 +58,9 @@ def test_every_base_image_is_pinned_by_digest():
 
 
 RUNTIME_SELECT = "python scripts/lock.py select runtime --output runtime-requirements.txt"
+BUILD_SELECT = "python scripts/lock.py select build --output build-requirements.txt"
+BUILD_INSTALL = ("/opt/build/bin/pip install --no-cache-dir --no-deps --require-hashes "
+                 "-r build-requirements.txt")
 
 
 def test_dependencies_install_only_from_the_hash_checked_lock():
@@ -71,7 +74,16 @@ def test_dependencies_install_only_from_the_hash_checked_lock():
     # Anything else pip installs (the wheel of this tree) must not pull dependencies.
     assert all("--no-deps" in i for i in installs), installs
     copies = [line for line in _dockerfile_lines() if line.startswith("COPY ")]
-    assert "COPY requirements.lock ./" in copies and "COPY scripts/lock.py ./scripts/" in copies
+    assert "COPY requirements.lock pyproject.toml ./" in copies
+    assert "COPY scripts/lock.py ./scripts/" in copies
+    # The wheel of this tree is built by the lock's backend, installed hash-checked into
+    # a venv of its own; build isolation would download an unpinned one instead.
+    assert BUILD_SELECT in steps and BUILD_INSTALL in steps, steps
+    assert steps.index(BUILD_SELECT) < steps.index(BUILD_INSTALL)
+    wheels = [step for step in steps if "pip wheel" in step]
+    assert wheels and all(w.startswith("/opt/build/bin/pip wheel") and "--no-build-isolation"
+                          in w for w in wheels), wheels
+    assert steps.index(BUILD_INSTALL) < steps.index(wheels[0])
 
 
 def _lock() -> dict[str, tuple[str, list[str]]]:
@@ -117,8 +129,17 @@ def _pip(python, *args):
 @pytest.mark.slow
 def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     """The Dockerfile's build stage, step by step, in a fresh virtual environment."""
+    # The build backend from the lock, hash-checked, in a venv of its own; the wheel is
+    # then built with no index at all: the backend's pins are all it needs.
+    build_env, build = tmp_path / "build-venv", tmp_path / "build-requirements.txt"
+    venv.EnvBuilder(with_pip=True).create(build_env)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "lock.py"), "select", "build",
+                    "--output", str(build)], check=True, timeout=60)
+    _pip(build_env / "bin" / "python", "install", "--no-deps", "--require-hashes", "-r",
+         str(build))
     wheels = tmp_path / "wheels"
-    _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", str(wheels), str(ROOT))
+    _pip(build_env / "bin" / "python", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(wheels), str(ROOT))
     (wheel,) = wheels.glob("mvproxy-*.whl")
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
