@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mvproxy import status, statuspage
-from mvproxy.cache import DiscoveryCache
+from mvproxy.cache import CacheView, DiscoveryCache, ServerState
 from mvproxy.metrics import Metrics
 
 Check = tuple[str, bool, str]
@@ -52,7 +52,7 @@ def debug_state(cache: DiscoveryCache) -> dict:
     """The cache as an operator wants to see it while debugging routing."""
     view, now = cache.view(), time.monotonic()
 
-    def describe(state):
+    def describe(state: ServerState) -> dict[str, object]:
         return {"polled": state.polled, "reachable": state.reachable,
                 "hasSnapshot": state.snapshot is not None,
                 "secondsSinceSuccess": None if state.last_success is None
@@ -70,7 +70,7 @@ def json_response(document: dict, status_code: int = 200) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
 
 
-def route_response(view, query) -> web.Response:
+def route_response(view: CacheView, query: Mapping[str, str]) -> web.Response:
     """``/debug/mvproxy/route``: 400 with a JSON error for unusable input, never a 500."""
     try:
         return json_response(status.explain_route(view, query))

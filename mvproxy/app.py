@@ -20,7 +20,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -171,7 +171,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                   peer_ssl, membership_sources(membership), leases, dns)
 
 
-def _dns_membership(cfg: Config, metrics: Metrics, on_change,
+def _dns_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None],
                     peer_ssl: SwappableContext | None) -> DNSMembership | None:
     dns = cfg.membership.dns
     if dns.name is None or peer_ssl is None:
@@ -181,7 +181,7 @@ def _dns_membership(cfg: Config, metrics: Metrics, on_change,
                          on_change=on_change)
 
 
-def _lease_membership(cfg: Config, metrics: Metrics, on_change,
+def _lease_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None],
                       backend_ssl: SwappableContext) -> LeaseMembership | None:
     """Lease membership talks to the backend as a front proxy (README "Membership"),
     with the backend client certificate in use now (it rotates with the others)."""
@@ -215,7 +215,7 @@ def _derived_max_connections() -> int:
     return max(16, (soft - FD_RESERVE) // 2)
 
 
-def _peer_states(cache: DiscoveryCache):
+def _peer_states(cache: DiscoveryCache) -> Iterator[tuple[str, bool, float | None]]:
     now = time.monotonic()
     for peer_id in cache.peer_ids():
         state = cache.state(peer_id)
@@ -234,7 +234,8 @@ class WorkerRole:
 
 
 @contextlib.asynccontextmanager
-async def running(daemon: Daemon, worker: WorkerRole | None = None):
+async def running(daemon: Daemon, worker: WorkerRole | None = None
+                  ) -> AsyncIterator[tuple[int, int]]:
     """Listeners and the poller up; yields (proxy port, admin port: 0 for a worker);
     stops everything."""
     cfg = daemon.config

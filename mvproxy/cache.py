@@ -124,7 +124,9 @@ def _merge(view: CacheView) -> Snapshot | None:
     return discovery.merge(snapshots, stale=stale) if snapshots else None
 
 
-def _index(peers: Mapping[str, ServerState]):
+def _index(peers: Mapping[str, ServerState]
+           ) -> tuple[Mapping[tuple, tuple[str, ...]], Mapping[tuple, tuple[str, ...]],
+                      Mapping[str, tuple[str, ...]]]:
     capable: dict[tuple, list[str]] = {}
     capable_gv: dict[tuple, list[str]] = {}
     capable_group: dict[str, list[str]] = {}

@@ -26,7 +26,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AnyStr
 
 from multidict import CIMultiDict
 
@@ -117,13 +117,14 @@ def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, lis
     return kept, forwarded, host
 
 
-def forwarded_for(prior: list, client, comma):
+def forwarded_for(prior: list[AnyStr], client: AnyStr, comma: AnyStr) -> AnyStr | None:
     """The ``X-Forwarded-For`` value to send: what came in, then the client's address
     (Go's ``httputil.ReverseProxy``, which kube-apiserver's proxies use). None when
     there is nothing to send."""
     if not client:
         return comma.join(prior) if prior else None
-    return comma.join([*prior, client]) if prior else client
+    # mypy rejects a constrained TypeVar's list unpacked in a display (python/mypy#17698)
+    return comma.join([*prior, client]) if prior else client  # type: ignore[list-item]
 
 
 def request_headers(fields: wire.Fields, downstream: Downstream, *,
@@ -300,8 +301,13 @@ class _StaleConnection(Exception):
     """A reused connection ended before any response byte (idempotent requests only)."""
 
 
+HeadFailure = ForwardError | _StaleConnection
+"""Why ``forward_now`` answered nothing: a failure, or a dead pooled connection (the
+caller tries a fresh one)."""
+
+
 def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnection
-                  ) -> ForwardError | _StaleConnection:
+                  ) -> HeadFailure:
     """What a failure before the response head means for the request."""
     upstream = conn.upstream
     if isinstance(error, _TimedOut):
@@ -323,7 +329,7 @@ def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnec
 
 def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
                 head: bytes, *, long_running: bool,
-                finished: Callable[[ForwardError | _StaleConnection | None, bool], None]
+                finished: Callable[[HeadFailure | None, bool], None]
                 ) -> _Inline | None:
     """The common case without a coroutine: a plain request on an idle pooled
     connection, moved entirely by protocol callbacks. None: nothing was done (no idle
@@ -350,7 +356,7 @@ class _Inline:
 
     def __init__(self, exchange: Exchange, transport: Transport, pool: Pool,
                  conn: UpstreamConnection, long_running: bool,
-                 finished: Callable[[ForwardError | _StaleConnection | None, bool], None]):
+                 finished: Callable[[HeadFailure | None, bool], None]):
         self.exchange, self.transport, self.pool, self.conn = exchange, transport, pool, conn
         self.long_running, self.finished = long_running, finished
         self.relay = _Relay(exchange, conn, transport.loop,

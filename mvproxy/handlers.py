@@ -16,12 +16,16 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from multidict import CIMultiDict
+from prometheus_client import Gauge, Histogram
 
 from mvproxy import forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamError
-from mvproxy.forwarding import ForwardError
+from mvproxy.forwarding import ForwardError, HeadFailure
 from mvproxy.identity import REFUSED, Downstream, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
 from mvproxy.listener import Exchange
@@ -54,10 +58,10 @@ class Proxy:
     rng: random.Random
     retry_after: int
     """Seconds a 503 asks clients to wait: about one discovery poll interval."""
-    _by_route: dict[str, tuple] = field(default_factory=dict)
+    _by_route: dict[str, tuple[Gauge, Histogram]] = field(default_factory=dict)
     """Per route: the in-flight gauge and duration histogram children, resolved once."""
 
-    def _route_metrics(self, route: str) -> tuple:
+    def _route_metrics(self, route: str) -> tuple[Gauge, Histogram]:
         found = self._by_route.get(route)
         if found is None:
             found = self._by_route[route] = (self.metrics.inflight_requests.labels(route),
@@ -110,14 +114,14 @@ class Proxy:
 
     def _inline(self, exchange: Exchange, upstream: Upstream, head: bytes, route: str,
                 long_running: bool, *, ended: Callable[[], None] | None,
-                failed: Callable[[object], Coroutine]) -> bool:
+                failed: Callable[[HeadFailure], Coroutine[Any, Any, None]]) -> bool:
         """Start ``forward_now``; when the answer went out, was cut or the client left,
         ``ended()``; on a failure before any answer continue in the coroutine
         ``failed(failure)``. False: nothing started."""
         inflight, duration = self._route_metrics(route)
         started = time.perf_counter()
 
-        def finished(failure, cancelled: bool) -> None:
+        def finished(failure: HeadFailure | None, cancelled: bool) -> None:
             if failure is None:
                 if ended is not None:
                     ended()
@@ -138,7 +142,7 @@ class Proxy:
         return True
 
     async def _peers_after(self, exchange: Exchange, info: RequestInfo,
-                           candidates: tuple[str, ...], failure, audit_id: str,
+                           candidates: tuple[str, ...], failure: HeadFailure, audit_id: str,
                            long_running: bool) -> None:
         """The first peer failed before any answer: as ``_to_peers`` would go on. A stale
         pooled connection tries that peer again afresh; otherwise the next ones."""
@@ -169,13 +173,14 @@ class Proxy:
         exchange.conn.finish(exchange)
         return True
 
-    def _done(self, inflight, duration, started: float, long_running: bool) -> None:
+    def _done(self, inflight: Gauge, duration: Histogram, started: float,
+              long_running: bool) -> None:
         inflight.dec()
         duration.observe(time.perf_counter() - started)
         if long_running:
             self.metrics.open_watches.dec()
 
-    async def _recover(self, exchange: Exchange, upstream: Upstream, failure,
+    async def _recover(self, exchange: Exchange, upstream: Upstream, failure: HeadFailure,
                        long_running: bool) -> None:
         """After ``handle_now`` failed before any answer: a stale pooled connection is
         retried once on a fresh one; anything else is answered as ``_to_backend``
@@ -255,7 +260,8 @@ class Proxy:
 
     async def _to_peers(self, exchange: Exchange, info: RequestInfo,
                         candidates: tuple[str, ...], long_running: bool, *,
-                        headers=None, last: ForwardError | None = None) -> None:
+                        headers: CIMultiDict[str] | None = None,
+                        last: ForwardError | None = None) -> None:
         """Try capable peers in order; move on only when nothing may have reached one.
         ``last``: an earlier attempt's failure (from ``_peer_now``)."""
         upstreams = self.peers()
@@ -277,7 +283,8 @@ class Proxy:
             self._rerouted(exchange, gvr)
 
     async def _try_peers(self, exchange: Exchange, targets: list[tuple[str, Upstream]],
-                         headers, long_running: bool, last: ForwardError | None,
+                         headers: CIMultiDict[str], long_running: bool,
+                         last: ForwardError | None,
                          gvr: tuple[str, str, str]) -> None:
         for peer_id, upstream in targets:
             if last is not None:

@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -255,7 +255,8 @@ class LeaseMembership:
         async with contextlib.aclosing(self.client.watch(self._path, params, idle)) as events:
             return await self._consume(selector, rv, events)
 
-    async def _consume(self, selector: str, rv: str, events) -> tuple[str, int]:
+    async def _consume(self, selector: str, rv: str,
+                       events: AsyncIterator[dict[str, Any]]) -> tuple[str, int]:
         seen = 0
         async for event in events:
             seen += 1

@@ -35,9 +35,9 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -86,7 +86,7 @@ class Limits:
     """Connections open at once; beyond it new clients wait in the kernel's backlog."""
 
 
-Handler = Callable[["Exchange"], Awaitable[None]]
+Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
 
 
 class BadRequest(Exception):
@@ -625,7 +625,8 @@ class DownstreamConnection(FlowControl):
         self._next_waiting = False
         self._next()
 
-    def continue_with(self, exchange: Exchange, coro) -> asyncio.Task:
+    def continue_with(self, exchange: Exchange, coro: Coroutine[Any, Any, None]
+                      ) -> asyncio.Task:
         """Handle ``exchange`` in a task running ``coro`` (also after a callback start)."""
         exchange.cancel_hook = None
         task = self._task = self.loop.create_task(coro)

@@ -19,6 +19,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 _KV_ATTR = "mvproxy_kv"
@@ -158,7 +159,8 @@ class Throttle:
     request (a dead backend must not write a line per request); the next line says how
     many were left out. Keys are the fixed message texts, so the memory is bounded."""
 
-    def __init__(self, interval: float = 60.0, clock=time.monotonic):
+    def __init__(self, interval: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.interval = interval
         self._clock = clock
         self._last: dict[str, float] = {}

@@ -9,10 +9,10 @@ the discovery catalog, peer server IDs from configuration): never a path or a us
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 GVR = ("group", "version", "resource")
@@ -128,10 +128,10 @@ class _CertificateCollector(Collector):
     def __init__(self, loaded: Callable[[], Iterable[tuple[str, int, float]]]):
         self._loaded = loaded
 
-    def describe(self):
+    def describe(self) -> Iterable[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "mvproxy_certificate_expiry_timestamp_seconds",
             "Unix time at which a certificate mvproxy presents or trusts expires, by role "
@@ -146,10 +146,10 @@ class _PeerCollector(Collector):
     def __init__(self, peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]):
         self._peer_states = peer_states
 
-    def describe(self):
+    def describe(self) -> Iterable[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("mvproxy_peer_up",
                                "1 while the peer's discovery polls succeed, else 0.",
                                labels=("peer",))

@@ -233,7 +233,7 @@ class Poller:
         state.snapshot = Snapshot(core=state.groups["/api"], groups=state.groups["/apis"])
         return state.snapshot
 
-    async def _fetch(self, state: _ServerPoll, path: str):
+    async def _fetch(self, state: _ServerPoll, path: str) -> tuple[tuple[dict, ...], str] | None:
         """(groups, etag) for a changed document, None for a 304."""
         headers = {"Accept": discovery.PEER_ACCEPT, "User-Agent": f"mvproxy/{__version__}",
                    **POLL_IDENTITY}

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Protocol
 
 from mvproxy.cache import CacheView, ServerState
 from mvproxy.requestinfo import parse_request_info
@@ -26,13 +27,29 @@ STATIC = "static"
 Sources = Callable[[], Mapping[str, str]]
 """Server ID -> where membership learnt of it ("static", "lease", "dns", ...)."""
 
+
+
+class _Listed(Protocol):
+    """A peer as ``membership_sources`` reads it (``membership.Peer``)."""
+
+    @property
+    def server_id(self) -> str: ...
+
+
+class _Members(Protocol):
+    """What ``membership_sources`` reads of a membership (``membership.Membership``,
+    which this module may not import: the layer contract keeps the two independent)."""
+
+    def peers(self) -> Iterable[_Listed]: ...
+
+
 MAX_PATH = 4096
 """Longest ``path`` the route explainer accepts (characters, query included)."""
 MAX_METHOD = 16
 REROUTED = "apiserver_rerouted_request_total"
 
 
-def membership_sources(membership) -> Sources:
+def membership_sources(membership: _Members) -> Sources:
     """Sources from a membership's peers: a source may set ``Peer.source``; without
     one (static membership) the peer is "static"."""
     def sources() -> Mapping[str, str]:

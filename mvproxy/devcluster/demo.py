@@ -198,7 +198,7 @@ class DemoCluster:
                 os.killpg(proxy.pid, signal.SIGKILL)
         proxy.stop(STOP_TIMEOUT)  # reaps it
 
-    def _restart(self, process, wait: bool, timeout: float) -> None:
+    def _restart(self, process: ManagedProcess, wait: bool, timeout: float) -> None:
         """Start a stopped process again; with ``wait``, until the cluster converged."""
         process.start()
         self.write_state()

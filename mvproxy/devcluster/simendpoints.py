@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 
 from .store import AlreadyExists, Conflict, Key, NotFound, Store
 
@@ -81,7 +82,7 @@ def _port(current: dict | None) -> int | None:
     return None
 
 
-def _write(store: Store, change, port: int | None) -> None:
+def _write(store: Store, change: Callable[[list[str]], list[str]], port: int | None) -> None:
     """Read-modify-write of both objects, retried when another server got there first."""
     for _ in range(_ATTEMPTS):
         try:
