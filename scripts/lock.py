@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one lock file, ``requirements.lock``: refresh it, or select its runtime section.
+"""The one lock file, ``requirements.lock``: refresh it, or select a part of it.
 
 ``requirements.lock`` pins, with the sha256 of every published file, everything a
 development environment installs: the daemon's runtime dependencies, the ``test`` and
@@ -11,6 +11,10 @@ opened by a marker comment:
   container image and the standalone binary install only this section
   (``lock.py select runtime``), so no test or lint tool reaches them.
 * ``# [dev]``: the rest, for ``scripts/dev.py`` and ``.ci/run`` (which install it all).
+
+``lock.py select build`` gives the pins of ``build-system.requires`` (setuptools, which
+needs nothing else): the image and the binary build mvproxy's wheel with them and
+``--no-build-isolation``.
 
 ``python3 scripts/lock.py refresh [--upgrade]`` regenerates it with pip-tools, in two
 resolutions: the runtime dependencies alone, then everything constrained to those
@@ -52,7 +56,8 @@ HEADER = f"""\
 #    {REFRESH} --upgrade  # newest releases
 #
 # Consumers: scripts/dev.py and .ci/run install all of it (--require-hashes); the
-# Dockerfile and `dev.py binary` only the [runtime] section (scripts/lock.py select).
+# Dockerfile and `dev.py binary` only the [runtime] section, and build the wheel with
+# the build backend's pins (scripts/lock.py select runtime|build).
 """
 SECTION_NOTES = {
     "runtime": "pyproject.toml's dependencies and all they need (image, binary)",

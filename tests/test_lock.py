@@ -130,6 +130,20 @@ def test_assemble_refuses_a_runtime_pin_the_full_resolution_changed():
         lock.assemble("aiohttp==3.14.4 \\\n    --hash=sha256:aa\n", FULL)
 
 
+def test_select_build_gives_the_build_backends_pins_or_names_the_missing(tmp_path):
+    """``select build``: the lock's pins of ``build-system.requires``, whichever section
+    holds them; a backend the lock lacks is named, not silently left out."""
+    text = lock.assemble("aiohttp==3.14.5 \\\n    --hash=sha256:aa\n", FULL)
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[build-system]\nrequires = ["setuptools>=77"]\n')
+    assert list(lock.entries(lock.select(text, "build", pyproject))) == ["setuptools"]
+    pyproject.write_text('[build-system]\nrequires = ["setuptools>=77", "Flit_Core[x]<4"]\n')
+    with pytest.raises(ValueError, match="flit-core"):
+        lock.select(text, "build", pyproject)
+    real = lock.entries(lock.select(LOCK.read_text(), "build"))
+    assert set(real) == set(lock.build_requires()) and real
+
+
 @pytest.mark.parametrize("text", [FULL, "# [dev] x\n" + FULL + "# [runtime] y\n",
                                   "# [runtime] x\n" + FULL])
 def test_a_lock_without_its_two_sections_is_refused(text):
