@@ -216,6 +216,22 @@ class Cluster:
             pytest.fail(f"gave up waiting for {what}")
 
 
+def certificate_settings(root: Path) -> dict[str, str]:
+    """Every certificate setting of member ``a`` of the development PKI at ``root``
+    (overrides by dotted path)."""
+    member, front = root / "a", root / "a" / "front-proxy-client"
+    return {
+        "tlsCertFile": str(member / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(member / "mvproxy.key"),
+        "clientCAFile": str(root / "ca.crt"),
+        "backend.caFile": str(root / "ca.crt"),
+        "backend.certFile": f"{front}.crt", "backend.keyFile": f"{front}.key",
+        "peer.caFile": str(root / "ca.crt"),
+        "peer.clientCAFile": str(root / "front-proxy-ca.crt"),
+        "peer.certFile": f"{front}.crt", "peer.keyFile": f"{front}.key",
+    }
+
+
 @contextlib.asynccontextmanager
 async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = None,
                   backend_routes=None, extra_peers: int = 0, peer_routes=None,
@@ -241,17 +257,8 @@ async def cluster(aiohttp_server, root: Path, timeouts: dict[str, str] | None = 
                                    ssl=peer_ssl) for i in range(extra_peers)]
     overrides = {
         "serverID": SELF, "bindAddress": "127.0.0.1", "securePort": free_port(),
-        "tlsCertFile": str(root / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
-        "clientCAFile": str(root / "ca.crt"),
+        **certificate_settings(root),
         "backend.url": f"https://127.0.0.1:{backend.port}",
-        "backend.caFile": str(root / "ca.crt"),
-        "backend.certFile": str(root / "a" / "front-proxy-client.crt"),
-        "backend.keyFile": str(root / "a" / "front-proxy-client.key"),
-        "peer.caFile": str(root / "ca.crt"),
-        "peer.clientCAFile": str(root / "front-proxy-ca.crt"),
-        "peer.certFile": str(root / "a" / "front-proxy-client.crt"),
-        "peer.keyFile": str(root / "a" / "front-proxy-client.key"),
         "peers.static": [{"serverID": PEER_ID, "url": f"https://127.0.0.1:{peer.port}"}] + [
             {"serverID": f"{PEER_ID}-{i}", "url": f"https://127.0.0.1:{other.port}"}
             for i, other in enumerate(others)],

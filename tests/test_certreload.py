@@ -23,7 +23,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from daemon_support import PEER_ID, PODGROUPS, WAIT, cluster, ready
+from daemon_support import PEER_ID, PODGROUPS, WAIT, certificate_settings, cluster, ready
 from pki_support import issue, replace
 from process_support import start_daemon, wait_ready
 
@@ -386,16 +386,7 @@ def standalone(tree: Path):
     from mvproxy.configfile import load_config
 
     return load_config(None, overrides={
-        "serverID": "a", "tlsCertFile": str(tree / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(tree / "a" / "mvproxy.key"),
-        "clientCAFile": str(tree / "ca.crt"),
-        "backend.url": "https://127.0.0.1:1", "backend.caFile": str(tree / "ca.crt"),
-        "backend.certFile": str(tree / "a" / "front-proxy-client.crt"),
-        "backend.keyFile": str(tree / "a" / "front-proxy-client.key"),
-        "peer.caFile": str(tree / "ca.crt"),
-        "peer.clientCAFile": str(tree / "front-proxy-ca.crt"),
-        "peer.certFile": str(tree / "a" / "front-proxy-client.crt"),
-        "peer.keyFile": str(tree / "a" / "front-proxy-client.key"),
+        "serverID": "a", **certificate_settings(tree), "backend.url": "https://127.0.0.1:1",
         "peers.static": [{"serverID": "b", "url": "https://127.0.0.1:2"}]})
 
 
