@@ -6,7 +6,11 @@ answers any GET with a 453-byte ConfigMap and holds ``?watch=true`` streams open
 after one event) and ``mvproxy run`` in front of it. Then, from this process:
 
 1. ``--connections`` mTLS connections that each send one GET and stay open, idle;
-2. as many watches (one connection each, one event received, then quiet).
+2. as many watches (one connection each, one event received, then quiet);
+3. ``--stalled`` watches whose backend streams events without pause while their
+   clients (4 KiB receive buffer) never read: memory held per stalled stream; then the
+   clients abandon them (abort) and the RSS left afterwards is compared with where it
+   started (is every ended connection freed by reference counting alone?).
 
 After each step it waits for the daemon's RSS (``/proc/<pid>/status`` VmRSS) to
 settle and prints the growth per connection and per watch, the daemon's CPU while
@@ -14,7 +18,7 @@ everything sat idle for ``--idle`` seconds, and the RSS after everything closed 
 memory returned?). Writes the numbers as JSON next to this file. Every process it
 starts is stopped by PID; every wait is bounded.
 
-    .venv/bin/python bench/memory.py [--connections 2000] [--idle 5]
+    .venv/bin/python bench/memory.py [--connections 2000] [--idle 5] [--stalled 300]
 """
 
 from __future__ import annotations
@@ -49,7 +53,19 @@ from aiohttp import web
 body = sys.stdin.buffer.read()
 ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
 ctx.load_cert_chain(sys.argv[2], sys.argv[3])
+EVENT = b'{"type":"MODIFIED","object":{"kind":"Pod","data":"' + b"x" * 4000 + b'"}}\n'
+async def flood(request):
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    try:
+        for _ in range(16384):  # 64 MiB at most: far beyond what any buffer holds
+            await response.write(EVENT)
+    except ConnectionError:  # the client abandoned the stream
+        pass
+    return response
 async def handle(request):
+    if request.path == "/api/v1/pods":
+        return await flood(request)
     if request.query.get("watch") == "true":
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
@@ -132,6 +148,71 @@ async def open_idle(port: int, ctx: ssl.SSLContext, path: str, count: int):
     return held
 
 
+class _Stalled(asyncio.Protocol):
+    """A client that sends its request and then never reads (a 4 KiB receive buffer,
+    and reading paused from the first byte on)."""
+
+    def __init__(self, request: bytes, first: asyncio.Future):
+        self.request, self.first = request, first
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.pause_reading()  # type: ignore[attr-defined]
+        # ... and the TLS layer stops reading from the socket soon after.
+        self.transport.set_read_buffer_limits(high=16384)  # type: ignore[attr-defined]
+        if not self.first.done():
+            self.first.set_result(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.first.done():
+            self.first.set_exception(ConnectionError("closed before any answer"))
+
+
+async def open_stalled(port: int, ctx: ssl.SSLContext, path: str, count: int) -> list:
+    """``count`` streams whose response started and whose clients then stopped reading."""
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+    loop = asyncio.get_running_loop()
+    held, sem = [], asyncio.Semaphore(32)
+
+    async def one() -> None:
+        async with sem:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            first = loop.create_future()
+            transport, _ = await asyncio.wait_for(loop.create_connection(
+                lambda: _Stalled(request, first), sock=sock, ssl=ctx,
+                server_hostname="127.0.0.1"), 30)
+            data = await asyncio.wait_for(first, 30)
+            if b" 200 " not in data.split(b"\r\n", 1)[0]:
+                raise SystemExit(f"unexpected answer: {data[:80]!r}")
+            held.append(transport)
+
+    await asyncio.gather(*(one() for _ in range(count)))
+    return held
+
+
+async def stalled_then_abandoned(pid: int, port: int, ctx: ssl.SSLContext, count: int) -> dict:
+    """RSS before, while ``count`` streams are stalled, and after their clients left."""
+    start = await settled_rss(pid)
+    streams = await open_stalled(port, ctx, "/api/v1/pods?watch=true", count)
+    await asyncio.sleep(2)  # let every buffer between backend and client fill
+    stalled = await settled_rss(pid)
+    if os.environ.get("DAEMON_WRAP"): os.kill(pid, 10); await asyncio.sleep(3)
+    for transport in streams:
+        transport.abort()
+    await asyncio.sleep(4)  # the daemon returns freed memory ~2 s after a large drop
+    after = await settled_rss(pid)
+    return {"stalled_streams": count, "rss_before_stalled_kib": start,
+            "per_stalled_stream_kib": round((stalled - start) / count, 1),
+            "rss_after_abandoned_kib": after,
+            "rss_after_abandoned_vs_before": round(after / start, 3)}
+
+
 def measure(args: argparse.Namespace, root: Path) -> dict:
     """Start a backend and mvproxy, measure them (``_measure``), stop them. Starting and
     stopping processes blocks, so it happens here, outside the event loop."""
@@ -148,7 +229,8 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
                     "certFile": str(p / "a" / "front-proxy-client.crt"),
                     "keyFile": str(p / "a" / "front-proxy-client.key")},
         "admin": {"bindAddress": "127.0.0.1", "port": admin},
-        "listener": {"idleTimeout": "1h", "maxConnections": 4 * args.connections + 100},
+        "listener": {"idleTimeout": "1h",
+                     "maxConnections": 4 * max(args.connections, args.stalled) + 100},
     }
     (root / "mvproxy.yaml").write_text(yaml.safe_dump(config))
     procs: list[subprocess.Popen] = []
@@ -159,7 +241,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
         procs.append(backend)
         backend.stdin.write(CONFIGMAP)  # type: ignore[union-attr]
         backend.stdin.close()  # type: ignore[union-attr]
-        daemon = subprocess.Popen([sys.executable, "-m", "mvproxy", "run", "--config",
+        daemon = subprocess.Popen([sys.executable, *(os.environ["DAEMON_WRAP"].split() if os.environ.get("DAEMON_WRAP") else ["-m", "mvproxy"]), "run", "--config",
                                    str(root / "mvproxy.yaml"), "-v", "1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(daemon)
@@ -196,6 +278,7 @@ async def _measure(args: argparse.Namespace, pid: int, ctx: ssl.SSLContext,
     await asyncio.sleep(4)  # the daemon returns freed memory ~2 s after a large drop
     after = await settled_rss(pid)
     n = args.connections
+    stalled = await stalled_then_abandoned(pid, port, ctx, args.stalled) if args.stalled else {}
     return {
         "connections": n, "baseline_rss_kib": base,
         "per_idle_connection_kib": round((with_idle - base) / n, 1),
@@ -203,6 +286,7 @@ async def _measure(args: argparse.Namespace, pid: int, ctx: ssl.SSLContext,
         "projected_10000_watches_mib": round(((with_watches - with_idle) / n * 10000) / 1024),
         "idle_cpu_percent": round(idle_cpu * 100, 2),
         "rss_after_close_kib": after,
+        **stalled,
     }
 
 
@@ -210,6 +294,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", type=int, default=2000)
     parser.add_argument("--idle", type=float, default=5.0)
+    parser.add_argument("--stalled", type=int, default=300,
+                        help="stalled, then abandoned streams (0: skip)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -44,7 +44,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from mvproxy import wire
-from mvproxy.flow import FlowControl
+from mvproxy.flow import FlowControl, accept_tls, limit_buffers
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
@@ -398,7 +398,7 @@ class DownstreamConnection(FlowControl):
         """The downstream's IP address, appended to ``X-Forwarded-For`` upstream."""
         self.deadline = 0.0
         self.closing = False
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._fields: wire.RawFields = []
         self._framing: list[tuple[bytes, str]] = []
@@ -422,6 +422,7 @@ class DownstreamConnection(FlowControl):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # TCP or TLS: a Transport
+        limit_buffers(transport)
         peer = transport.get_extra_info("peername")
         self.client_address = peer[0] if isinstance(peer, tuple) else ""
         self.raw_client_address = self.client_address.encode("ascii", "replace")
@@ -438,8 +439,20 @@ class DownstreamConnection(FlowControl):
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
             sink()
-        self._wake_writers()
         self.cancel()  # the client left: stop its request upstream too
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every reference this connection holds (transport, parser, requests,
+        sinks), so it and its TLS buffers are freed by reference counting once the
+        last handler lets go of it: no cycle through it outlives the connection."""
+        self._flow_release()
+        self._parser = None
+        self._queue.clear()
+        self._parsing = self._upgrading = None
+        if self._task is None or self._task.done():
+            self._active = None  # else the task's end clears it (``_complete``)
+        self._raw_sink = self._eof_sink = None
 
     def eof_received(self) -> bool | None:
         if self._eof_sink is not None:
@@ -451,6 +464,8 @@ class DownstreamConnection(FlowControl):
         if self._raw_sink is not None:
             self._raw_sink(data)
             return
+        if self._parser is None:
+            return  # the connection ended (``_release``)
         if self._upgrading is not None:
             self._early_bytes(self._upgrading, data)
             return
@@ -532,7 +547,7 @@ class DownstreamConnection(FlowControl):
         self._in_head = False
         self._head_bytes, self._tail = 0, b""  # a head pipelined behind counts afresh
         self._framing_bytes = 0
-        parser = self._parser
+        parser = cast(httptools.HttpRequestParser, self._parser)  # parsing: not released
         version = parser.get_http_version()
         exchange = Exchange(self, parser.get_method().decode("latin-1"),
                             self._url.decode("latin-1"),
@@ -649,6 +664,7 @@ class DownstreamConnection(FlowControl):
         if cancelled:
             # Cancelled because the request was refused mid-body (its answer is written:
             # flush it) or because the client left or shutdown came (nothing to flush).
+            self._active = None
             self.close() if exchange.finished else self.abort()
             return
         if failure is not None:
@@ -956,9 +972,9 @@ class Listener:
     async def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await self.loop.connect_accepted_socket(
-                lambda: DownstreamConnection(self), sock, ssl=current_context(self.ssl_context),
-                ssl_handshake_timeout=self.limits.header_read_timeout)
+            await accept_tls(self.loop, sock, DownstreamConnection(self),
+                             current_context(self.ssl_context),
+                             handshake_timeout=self.limits.header_read_timeout)
         except (OSError, TimeoutError, asyncio.CancelledError, ConnectionError) as exc:
             sock.close()
             log.log(V(4), "TLS handshake failed", extra=kv(error=type(exc).__name__))

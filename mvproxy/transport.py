@@ -46,7 +46,7 @@ from mvproxy.errors import (
     UpstreamTimeout,
     UpstreamUnresolved,
 )
-from mvproxy.flow import FlowControl
+from mvproxy.flow import RECEIVE_BUFFER, FlowControl, limit_buffers
 from mvproxy.requestcheck import target_problem
 from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
@@ -156,7 +156,7 @@ class UpstreamConnection(FlowControl):
         self.reset = False
         """Aborted by ``Pool.reset`` (its server stopped answering): not worth retrying."""
         self._handler: ResponseHandler | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._head_request = False
         self._reason = b""
         self._fields: wire.RawFields = []
@@ -171,6 +171,7 @@ class UpstreamConnection(FlowControl):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # TCP or TLS: a Transport
+        limit_buffers(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _keepalive(sock)
@@ -181,8 +182,12 @@ class UpstreamConnection(FlowControl):
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
             sink()
-        self._wake_writers()
         handler, self._handler = self._handler, None
+        # Nothing refers back to this connection once it ended: freed by reference
+        # counting, with its TLS buffers, as soon as its last user lets go.
+        self._flow_release()
+        self._parser = None
+        self._raw_sink = None
         if handler is None or self._complete:
             return
         if self._until_close and self._head_seen:
@@ -208,9 +213,12 @@ class UpstreamConnection(FlowControl):
             # Bytes nobody asked for: the connection's framing is lost.
             self.abort()
             return
+        parser = self._parser
+        if parser is None:
+            return  # ended (``connection_lost``)
         self.received = True
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             self._complete = True
             self._handler = None
@@ -238,7 +246,8 @@ class UpstreamConnection(FlowControl):
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
+        parser = cast(httptools.HttpResponseParser, self._parser)  # parsing: not released
+        status = parser.get_status_code()
         raw, self._fields = self._fields, []
         handler = self._handler
         if handler is None:
@@ -249,7 +258,7 @@ class UpstreamConnection(FlowControl):
             handler.on_interim(status, self._reason, raw, lowered)
             return
         self._head_seen = True
-        self._keep_alive = self._parser.should_keep_alive()
+        self._keep_alive = parser.should_keep_alive()
         self._until_close = (not self._head_request and status not in (204, 304)
                              and b"content-length" not in lowered
                              and b"transfer-encoding" not in lowered and status != 101)
@@ -332,6 +341,7 @@ def _keepalive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
 
 # --------------------------------------------------------------------------- pool
