@@ -20,12 +20,8 @@ almost never collected.
 from __future__ import annotations
 
 import asyncio
-import asyncio.sslproto
 import contextlib
-import socket
-import ssl
 from collections.abc import Callable
-from typing import cast
 
 WRITE_HIGH = 16 * 1024
 """Bytes buffered in a TLS transport (application data and records not yet sent) above
@@ -36,71 +32,11 @@ READ_HIGH = 16 * 1024
 """Encrypted bytes a paused TLS transport reads ahead from its socket."""
 
 
-RECEIVE_BUFFER = 16 * 1024
-"""``SO_RCVBUF`` of upstream sockets. Every read from a socket may take all the kernel
-holds (up to 250 kB), and a read that arrives as the downstream stops reading stays in
-memory until it reads again; this bounds one read to about twice this. The cost: one
-upstream connection moves at most about this much per round trip (~60 MB/s at 0.5 ms),
-well above what a kube-apiserver serializes for one request."""
-
-
-class _Unwrapped(asyncio.Protocol):
-    """An accepted TCP connection before its TLS layer exists: reading pauses at once,
-    and whatever arrived before that (the client speaks first) is kept for it."""
-
-    def __init__(self) -> None:
-        self.early: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        cast(asyncio.Transport, transport).pause_reading()
-
-    def data_received(self, data: bytes) -> None:
-        self.early.append(data)
-
-
-async def accept_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                     protocol: asyncio.Protocol, context: ssl.SSLContext, *,
-                     handshake_timeout: float) -> None:
-    """``connect_accepted_socket`` with TLS, keeping hold of the TCP transport: the TLS
-    transport does not expose its socket-side write limit (64 KiB of records queued
-    for a client that reads nothing), so the TLS layer is put on the TCP transport
-    here, as ``start_tls`` does (``start_tls`` itself would lose the bytes the client
-    sent before it runs). ``protocol.connection_made`` follows the handshake."""
-    raw, plain = await loop.connect_accepted_socket(_Unwrapped, sock)
-    try:
-        waiter = loop.create_future()
-        tls = _ssl_protocol_type(loop)(loop, protocol, context, waiter, server_side=True,
-                                       ssl_handshake_timeout=handshake_timeout)
-        raw.set_protocol(tls)
-        tls.connection_made(raw)
-        for data in plain.early:
-            _feed(tls, data)
-        limit_buffers(raw)
-        raw.resume_reading()
-        await waiter
-    except BaseException:
-        raw.abort()
-        raise
-
-
-def _ssl_protocol_type(loop: asyncio.AbstractEventLoop) -> type:
-    """The TLS protocol of this loop's own ``start_tls`` (uvloop has its own)."""
-    if type(loop).__module__.startswith("uvloop"):
-        import uvloop.loop  # noqa: PLC0415 - only where uvloop runs the loop
-
-        return cast(type, uvloop.loop.SSLProtocol)  # type: ignore[attr-defined]
-    return asyncio.sslproto.SSLProtocol
-
-
-def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
-    """Hand ``data`` to a buffered protocol as if the transport had read it."""
-    view = memoryview(data)
-    while view:
-        buffer = memoryview(protocol.get_buffer(len(view)))
-        count = min(len(buffer), len(view))
-        buffer[:count] = view[:count]
-        protocol.buffer_updated(count)
-        view = view[count:]
+SOCKET_READ_MAX = 256 * 1024
+"""What one read from a socket may bring (uvloop reads up to 250 kB, asyncio 256 KiB):
+the data that crossed a limit before the pause took effect. A smaller ``SO_RCVBUF``
+upstream would bound it, but windows that small meet delayed ACKs: measured, a 64 MiB
+LIST then slowed until it hit the request timeout."""
 
 
 def limit_buffers(transport: asyncio.BaseTransport) -> None:

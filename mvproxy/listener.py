@@ -44,7 +44,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from mvproxy import wire
-from mvproxy.flow import FlowControl, accept_tls, limit_buffers
+from mvproxy.flow import FlowControl, limit_buffers
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
@@ -972,9 +972,9 @@ class Listener:
     async def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await accept_tls(self.loop, sock, DownstreamConnection(self),
-                             current_context(self.ssl_context),
-                             handshake_timeout=self.limits.header_read_timeout)
+            await self.loop.connect_accepted_socket(
+                lambda: DownstreamConnection(self), sock, ssl=current_context(self.ssl_context),
+                ssl_handshake_timeout=self.limits.header_read_timeout)
         except (OSError, TimeoutError, asyncio.CancelledError, ConnectionError) as exc:
             sock.close()
             log.log(V(4), "TLS handshake failed", extra=kv(error=type(exc).__name__))
@@ -1017,8 +1017,12 @@ class Listener:
                                self.limits.idle_timeout / 4))
         while True:
             await asyncio.sleep(period)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                if conn.deadline and conn.deadline < now:
-                    conn.deadline = 0.0
-                    conn.expired(now)
+            self._expire_due(self.loop.time())
+
+    def _expire_due(self, now: float) -> None:
+        """One sweep; a function of its own so that no connection stays referenced by
+        the sweeper's loop variable until the next sweep."""
+        for conn in list(self.connections):
+            if conn.deadline and conn.deadline < now:
+                conn.deadline = 0.0
+                conn.expired(now)

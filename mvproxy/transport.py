@@ -46,7 +46,7 @@ from mvproxy.errors import (
     UpstreamTimeout,
     UpstreamUnresolved,
 )
-from mvproxy.flow import RECEIVE_BUFFER, FlowControl, limit_buffers
+from mvproxy.flow import FlowControl, limit_buffers
 from mvproxy.requestcheck import target_problem
 from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
@@ -341,7 +341,6 @@ def _keepalive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
 
 # --------------------------------------------------------------------------- pool
@@ -462,12 +461,16 @@ class Deadlines:
     async def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
             await asyncio.sleep(self.period)
-            now = loop.time()
-            due = [(key, expire) for key, (deadline, expire) in self._entries.items()
-                   if deadline <= now]
-            for key, expire in due:
-                self._entries.pop(key, None)
-                expire()
+            self._expire_due(loop.time())
+
+    def _expire_due(self, now: float) -> None:
+        """One sweep (a function of its own: the sweeper's locals would otherwise keep
+        the last request expired alive until the next sweep)."""
+        due = [(key, expire) for key, (deadline, expire) in self._entries.items()
+               if deadline <= now]
+        for key, expire in due:
+            self._entries.pop(key, None)
+            expire()
 
     async def close(self) -> None:
         if self._task is not None:
