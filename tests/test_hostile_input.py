@@ -18,15 +18,21 @@ for ``docs/reliability.md``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import ssl
 
 import pytest
+from aiohttp import web
 from daemon_support import (
     PODGROUPS,
+    WAIT,
     Cluster,
+    body_of,
     cluster,
+    ready,
     synced,
 )
 from hypothesis import HealthCheck, given, settings
@@ -261,6 +267,198 @@ async def test_bodies_that_end_early_hurt_nobody_else(aiohttp_server, root):
             assert status == 200
         record(SUITE, "request bodies that end early (Content-Length and chunked, to the "
                       "backend and through a peer)", 30, "others served throughout")
+
+
+# --------------------------------------------------------------------------- 2b. truthful answers
+# Once a request went upstream the client gets the backend's answer, whatever it sent
+# after it; a request mvproxy refuses (or drops unanswered) never reached the backend.
+
+TRUTH = "/api/v1/namespaces/truth/secrets"
+
+
+class Objects:
+    """The backend's side of ``TRUTH``: a POST creates the object its body names (once
+    ``gate`` is set), a GET of ``TRUTH/<name>`` finds it; ``bodies`` counts bodies read
+    whole, ``broken`` bodies that ended early."""
+
+    def __init__(self) -> None:
+        self.created: dict[str, bytes] = {}
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.bodies = self.broken = 0
+
+    def routes(self, app: web.Application) -> None:
+        async def create(request: web.Request) -> web.Response:
+            try:
+                body = await request.read()
+            except BaseException:  # a reset, or aiohttp cancels the handler
+                self.broken += 1
+                raise
+            self.bodies += 1
+            await asyncio.wait_for(self.gate.wait(), WAIT)
+            name = json.loads(body)["metadata"]["name"]
+            self.created[name] = body
+            return web.json_response({"kind": "Secret", "metadata": {"name": name}},
+                                     status=201)
+
+        async def get(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            if name not in self.created:
+                return web.json_response({"kind": "Status", "code": 404}, status=404)
+            return web.json_response({"kind": "Secret", "metadata": {"name": name}})
+
+        app.router.add_post(TRUTH, create)
+        app.router.add_get(TRUTH + "/{name}", get)
+
+
+def create_request(name: str, *, fields: bytes = b"") -> bytes:
+    body = json.dumps({"kind": "Secret", "metadata": {"name": name}}).encode()
+    return (b"POST " + TRUTH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\n" + fields + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+async def exists(c: Cluster, name: str) -> bool:
+    status, _, _ = await c.get(f"{TRUTH}/{name}")
+    assert status in (200, 404), status
+    return status == 200
+
+
+def creates_seen(c: Cluster) -> int:
+    return sum(1 for method, target in c.seen["backend"] if (method, target) == ("POST", TRUTH))
+
+
+async def warm(c: Cluster) -> None:
+    """A pooled backend connection: the request goes out by callbacks alone (the path
+    that sent a request upstream from inside llhttp's parse of the read)."""
+    status, _, _ = await c.get("/api/v1/namespaces/warm")
+    assert status == 200
+
+
+async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT)."""
+    received = b""
+    async with asyncio.timeout(WAIT):
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while chunk := await reader.read(65536):
+                received += chunk
+    return received
+
+
+ONE_WRITE = {
+    "unparseable bytes": (b"", b"\x01\x02 not HTTP\r\n\r\n"),
+    "Connection: close, then another request": (
+        b"Connection: close\r\n", b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_WRITE))
+async def test_a_request_refused_with_what_follows_it_in_one_read_never_reaches_the_backend(
+        aiohttp_server, root, name):
+    """A valid create, then bytes llhttp refuses, in one write: the create went upstream
+    from inside the parse and was answered 400 while the backend created the object.
+    llhttp's verdict on a read now comes before anything from it is sent."""
+    objects = Objects()
+    fields, tail = ONE_WRITE[name]
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        await warm(c)
+        answer = await c.raw(create_request("one-read", fields=fields) + tail)
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"400"], answer[:300]
+        assert "could not be parsed" in body_of(answer)["message"]
+        assert not await exists(c, "one-read")
+        assert creates_seen(c) == 0 and objects.bodies == 0
+        assert not any("pipelined" in target for _, target in c.seen["backend"])
+        record(SUITE, f"a valid create followed in the same write by {name}", 1,
+               "400 Status; the backend never saw the create")
+
+
+AFTER = {
+    # tail, the refusal counted, listener settings, fields of the create itself
+    "unparseable bytes": (b"\x01\x02 not HTTP\r\n\r\n", "400", {}, b""),
+    "a request after Connection: close": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n", "400", {},
+        b"Connection: close\r\n"),
+    "a pipelined request mvproxy refuses": (
+        b"GET http://127.0.0.1/api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n", "400",
+        {}, b""),
+    "a pipelined head over maxHeaderBytes": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nX-Big: " + b"a" * 8192 + b"\r\n\r\n",
+        "431", {"maxHeaderBytes": 4096}, b""),
+    "more requests pipelined than allowed": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n" * 40, "400", {}, b""),
+    "a pipelined head that stops arriving": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n", "408",
+        {"headerReadTimeout": "500ms"}, b""),
+}
+
+
+@pytest.mark.parametrize("name", list(AFTER))
+async def test_what_follows_a_forwarded_request_cannot_change_its_answer(aiohttp_server, root,
+                                                                         name):
+    """The create is upstream, its body whole, the backend not done: a refusal of what
+    the client sent next was written as the create's answer (400, 408, 431) and the
+    backend created the object anyway. Now the client gets the backend's 201 with
+    ``Connection: close``, then the connection ends; nothing after the create is sent."""
+    objects = Objects()
+    tail, code, limits, fields = AFTER[name]
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes,
+                       listener=limits) as c:
+        await ready(c)
+        await warm(c)
+        objects.gate.clear()
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(create_request("after", fields=fields))
+            await c.until(lambda: _true(objects.bodies == 1), "the backend to read the body")
+            writer.write(tail)
+            await c.until(lambda: _metric_is(c, code), f"the {code} refusal")
+            objects.gate.set()
+            answer = await read_until_closed(reader)
+        finally:
+            objects.gate.set()
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"201"], answer[:300]
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert b"\r\nconnection: close" in head, head
+        assert await exists(c, "after")
+        assert creates_seen(c) == 1
+        assert not any("pipelined" in target for _, target in c.seen["backend"])
+        record(SUITE, f"{name} while a create is upstream", 1,
+               f"{code} counted, not written: the client got the backend's 201 with "
+               "Connection: close, then the connection ended; nothing after it was sent")
+
+
+async def test_a_refused_body_of_a_forwarded_request_abandons_it(aiohttp_server, root):
+    """Bad chunk framing in the body being streamed upstream: the refusal is the answer
+    (no response had started) and the upstream request is abandoned, never completed."""
+    objects = Objects()
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        await warm(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(b"POST " + TRUTH.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n3\r\n{\"k\r\n")
+            await c.until(lambda: _true(creates_seen(c) == 1), "the create to go upstream")
+            writer.write(b"zz\r\n")
+            answer = await read_until_closed(reader)
+        finally:
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"400"], answer[:300]
+        await c.until(lambda: _true(objects.broken == 1), "the backend to see the body end")
+        assert objects.bodies == 0 and objects.created == {}
+        record(SUITE, "bad chunk framing in the body of a request being forwarded", 1,
+               "400 Status; the upstream request abandoned with its body incomplete")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _metric_is(c: Cluster, code: str) -> bool:
+    return await c.metric("mvproxy_refused_requests_total", code=code) == 1
 
 
 # --------------------------------------------------------------------------- 3. secrets
