@@ -150,12 +150,17 @@ async def test_paths_are_not_normalised(aiohttp_server, root, target):
     ("gzip, chunked", {501}),
     # Without a final chunked the body length is unknowable: the parser may refuse first.
     ("identity", {400, 501}), ("deflate", {400, 501}), ("chunked, chunked", {400, 501}),
+    # llhttp refuses these only once the head is complete: the head reached the backend.
+    ("chunked\t", {400}), (" chunked\t ", {400}),
 ])
 async def test_transfer_codings_other_than_chunked_are_refused(aiohttp_server, root, coding,
                                                                refused_with):
     """Today ``gzip, chunked`` silently reached the backend without its body."""
     async with cluster(aiohttp_server, root) as c:
         await ready(c)
+        status, _, _ = await c.get("/api/v1/namespaces/warm")  # pooled: sent by callbacks
+        assert status == 200
+        c.seen["backend"].clear()
         answer = await c.raw(request("/api/v1/namespaces/default/configmaps", method="POST",
                                      headers=f"Transfer-Encoding: {coding}\r\n",
                                      body=b"3\r\nabc\r\n0\r\n\r\n"))
