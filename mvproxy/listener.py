@@ -307,7 +307,9 @@ class Exchange:
               hold: bool = False) -> None:
         """The response head. ``fields`` must frame the body (``Content-Length``, or
         ``Transfer-Encoding: chunked`` which is replaced by close-delimiting for
-        HTTP/1.0 clients). ``hold`` keeps the head for the first write."""
+        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it,
+        else ``Connection: keep-alive`` for HTTP/1.0 (whose default is to close).
+        ``hold`` keeps the head for the first write."""
         if self.started:
             raise RuntimeError("response already started")
         names = {name.lower() for name, _ in fields}
@@ -320,6 +322,8 @@ class Exchange:
         if self._close_after or not self.keep_alive or self.conn.closing:
             fields = [*fields, ("Connection", "close")]
             self._close_after = True
+        elif self.version < (1, 1):
+            fields = [*fields, ("Connection", "keep-alive")]  # else a 1.0 client closes
         head = wire.response_head(status, reason, fields)  # may raise: nothing started yet
         self.started = True
         self.status = status
@@ -332,8 +336,9 @@ class Exchange:
                   bodiless: bool) -> None:
         """A relayed response head: ``head`` is its status line and end-to-end fields as
         bytes; this adds the framing (the upstream's ``length``, else chunked, or
-        close-delimited for HTTP/1.0) and ``Connection: close`` when due, and holds it
-        for the first write. ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
+        close-delimited for HTTP/1.0) and ``Connection: close`` when due (else
+        ``Connection: keep-alive`` for HTTP/1.0), and holds it for the first write.
+        ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
         if self.started:
             raise RuntimeError("response already started")
         if length is not None and status != 204:  # a 204 has no Content-Length (RFC 9110)
@@ -347,6 +352,8 @@ class Exchange:
         if self._close_after or not self.keep_alive or self.conn.closing:
             head += b"Connection: close\r\n"
             self._close_after = True
+        elif self.version < (1, 1):
+            head += b"Connection: keep-alive\r\n"  # else a 1.0 client closes
         self._head_pending = head + b"\r\n"
         self.started = True
         self.status = status
