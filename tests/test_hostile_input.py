@@ -2,13 +2,17 @@
 
 1. The pure parsers (request checks, request info, routing, Accept negotiation,
    discovery documents, header encoding) take generated input (hypothesis) and never
-   raise anything but their declared errors.
+   raise anything but their declared errors; the request checks accept no
+   ``Transfer-Encoding`` llhttp refuses (a measured table, then generated values).
 2. The listener takes generated and mutated request heads, smuggling variants,
    early-ending bodies and slow clients over real TLS: every answer is a 4xx/5xx
    ``Status`` (or the connection closes), never a 500 or a traceback; the backend
    only ever sees origin-form targets and no underscore names; nothing is smuggled
    through; no connection goes anywhere but the backend (a canary listener counts);
-   and a well-behaved client is served afterwards.
+   and a well-behaved client is served afterwards. Once a request went upstream, what
+   the client sends after it cannot change its answer: the backend's answer arrives
+   with ``Connection: close``; a request refused with bytes of the same read never
+   reaches the backend (the object exists exactly when the client was told 201).
 3. No token, key or body reaches a log line, at any verbosity, in either format.
 
 Example counts are bounded (``max_examples``), and each case records what it tried
@@ -447,7 +451,7 @@ async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
 
 ONE_WRITE = {
     "unparseable bytes": (b"", b"\x01\x02 not HTTP\r\n\r\n"),
-    "Connection: close, then another request": (
+    "a request after its Connection: close": (
         b"Connection: close\r\n", b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n"),
 }
 
