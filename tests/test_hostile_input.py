@@ -534,6 +534,51 @@ async def test_what_follows_a_forwarded_request_cannot_change_its_answer(aiohttp
                "Connection: close, then the connection ended; nothing after it was sent")
 
 
+async def test_an_answer_under_way_is_finished_before_the_connection_closes(aiohttp_server,
+                                                                            root):
+    """The answer had started (a stream) when the client sent bytes llhttp refuses: the
+    connection closed at once, cutting the answer. Now it ends whole, then closes."""
+    gate = asyncio.Event()
+
+    def streaming(app: web.Application) -> None:
+        async def stream(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            await response.write(b'{"part":1}\n')
+            await asyncio.wait_for(gate.wait(), WAIT)
+            await response.write(b'{"part":2}\n')
+            await response.write_eof()
+            return response
+        app.router.add_get(TRUTH + "/stream", stream)
+
+    async with cluster(aiohttp_server, root, backend_routes=streaming) as c:
+        await ready(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(b"GET " + TRUTH.encode() + b"/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            async with asyncio.timeout(WAIT):
+                while b'{"part":1}' not in received:
+                    chunk = await reader.read(65536)
+                    assert chunk, received
+                    received += chunk
+            writer.write(b"\x01\x02 not HTTP\r\n\r\n")
+            await c.until(lambda: _metric_is(c, "400"), "the 400 refusal")
+            gate.set()
+            received += await read_until_closed(reader)
+        finally:
+            gate.set()
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", received) == [b"200"], received[:300]
+        body = received.partition(b"\r\n\r\n")[2]
+        assert b'{"part":2}' in body and body.endswith(b"\r\n0\r\n\r\n"), body
+        record(SUITE, "unparseable bytes while an answer is being streamed", 1,
+               "400 counted, not written: the answer ended whole, then the connection "
+               "closed")
+
+
 async def test_a_refused_body_of_a_forwarded_request_abandons_it(aiohttp_server, root):
     """Bad chunk framing in the body being streamed upstream: the refusal is the answer
     (no response had started) and the upstream request is abandoned, never completed."""
