@@ -17,7 +17,8 @@ What this module owns, and nothing above it does:
   read comes before anything from that read goes upstream;
 - **truthful answers**: once a request has gone upstream, the client gets its real
   answer. A refusal of what the client sent after it (unparseable bytes, a pipelined
-  head too large, too slow or not served, too many pipelined) stops reading: that
+  head too large, too slow or not served, too many pipelined) ends parsing (what
+  follows is read and discarded, so a client that leaves is still noticed): that
   request finishes, its answer says ``Connection: close``, then the connection
   closes; requests queued behind it were never sent and are dropped. Only a refusal
   of the active request's own body (its chunk framing, a body byte that did not come)
@@ -28,7 +29,8 @@ What this module owns, and nothing above it does:
   when the client stops reading (``paused_writing``);
 - **framing** answers: ``respond`` for a whole answer in one write, ``start``/``write``/
   ``end`` for a streamed one (chunked, or close-delimited for HTTP/1.0), ``take_over``
-  for a protocol switch (the connection's bytes then go to a tunnel untouched).
+  for a protocol switch (the connection's bytes then go to a tunnel untouched); an
+  HTTP/1.0 client whose connection stays open is told ``Connection: keep-alive``.
 
 An exception from a handler becomes a 500 ``Status`` here if nothing was sent yet,
 else the connection is closed (the client sees a truncated response, never a lie).
@@ -439,7 +441,7 @@ class DownstreamConnection(FlowControl):
         self._feeding = False
         """llhttp is parsing a read: nothing is dispatched until its verdict on all of it."""
         self._refused = False
-        """A refusal ended parsing: whatever else the client sends is not read."""
+        """A refusal ended parsing: whatever else the client sends is discarded."""
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -712,7 +714,7 @@ class DownstreamConnection(FlowControl):
         self.deadline = self.loop.time() + seconds
 
     def _refuse(self, refusal: Refusal) -> None:
-        """Nothing more is read from this connection: what follows cannot be trusted.
+        """Nothing more is parsed on this connection: what follows cannot be trusted.
         Requests queued behind the active one were never sent anywhere: dropped.
 
         - The refusal concerns the active request's own body (its framing, a body byte
@@ -721,12 +723,12 @@ class DownstreamConnection(FlowControl):
         - It concerns bytes after the active request, whose body is whole upstream:
           that request finishes, and the client gets the upstream's real answer
           (with ``Connection: close`` when it had not started), then the connection
-          closes. The refusal is counted and logged, not written.
+          closes. The refusal is counted and logged, not written. Meanwhile reading
+          goes on, discarding, so a client that leaves still ends its request.
         - No request is active: the refusal is written, then the connection closes.
         """
         log.log(V(3), "request refused", extra=kv(status=refusal.status, reason=refusal.message))
         self.listener.refused(refusal.status)
-        self.pause_reading("refused")
         self._refused = True
         self.deadline = 0.0
         self._queue.clear()
@@ -736,7 +738,9 @@ class DownstreamConnection(FlowControl):
             self._upgrading = None
         if active is not None and active is not parsing:
             active._close_after = True  # its answer says so, then ``_complete`` closes
+            self.resume_reading("pipeline")  # nothing is queued any more
             return
+        self.pause_reading("refused")
         if active is None or not active.started:
             # Nothing was answered yet (a bad body of a request being forwarded counts:
             # its upstream request is abandoned, the client learns why).

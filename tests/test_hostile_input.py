@@ -390,6 +390,8 @@ class Objects:
         self.created: dict[str, bytes] = {}
         self.gate = asyncio.Event()
         self.gate.set()
+        self.patience = WAIT
+        """How long a create waits for ``gate`` before it fails."""
         self.bodies = self.broken = 0
 
     def routes(self, app: web.Application) -> None:
@@ -400,7 +402,7 @@ class Objects:
                 self.broken += 1
                 raise
             self.bodies += 1
-            await asyncio.wait_for(self.gate.wait(), WAIT)
+            await asyncio.wait_for(self.gate.wait(), self.patience)
             name = json.loads(body)["metadata"]["name"]
             self.created[name] = body
             return web.json_response({"kind": "Secret", "metadata": {"name": name}},
@@ -577,6 +579,36 @@ async def test_an_answer_under_way_is_finished_before_the_connection_closes(aioh
         record(SUITE, "unparseable bytes while an answer is being streamed", 1,
                "400 counted, not written: the answer ended whole, then the connection "
                "closed")
+
+
+async def test_a_client_that_leaves_after_refused_bytes_ends_its_request(aiohttp_server,
+                                                                          root):
+    """The request upstream is let finish, but not for a client that is gone: its
+    connection is still read (and what comes discarded), so its leaving is seen."""
+    objects = Objects()
+    objects.patience = 3 * WAIT  # the backend's answer must not be what ends it
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        objects.gate.clear()
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(create_request("left"))
+            await c.until(lambda: _true(objects.bodies == 1), "the backend to read the body")
+            writer.write(b"\x01\x02 not HTTP\r\n\r\n")
+            await c.until(lambda: _metric_is(c, "400"), "the 400 refusal")
+            assert await c.metric("mvproxy_inflight_requests", route="backend") == 1
+            writer.transport.abort()  # gone, without a word
+            await c.until(lambda: _inflight_is(c, 0), "the request to end with the client")
+        finally:
+            objects.gate.set()
+            writer.close()
+        record(SUITE, "a client that leaves after refused bytes, its create upstream", 1,
+               "its request ended with it (the connection is still read, discarding)")
+
+
+async def _inflight_is(c: Cluster, value: float) -> bool:
+    return await c.metric("mvproxy_inflight_requests", route="backend") == value
 
 
 async def test_a_refused_body_of_a_forwarded_request_abandons_it(aiohttp_server, root):
