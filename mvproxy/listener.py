@@ -12,13 +12,25 @@ What this module owns, and nothing above it does:
   numbers checked by one sweep per listener, not a timer object per request;
 - **parsing** each request into an ``Exchange`` (plain values: method, raw target,
   decoded path, query, header fields, the connection's verified identity) and running
-  the handler for it; requests pipelined behind it wait their turn;
+  the handler for it; requests pipelined behind it wait their turn. A request is
+  dispatched only once llhttp has parsed everything read so far, so its verdict on a
+  read comes before anything from that read goes upstream;
+- **truthful answers**: once a request has gone upstream, the client gets its real
+  answer. A refusal of what the client sent after it (unparseable bytes, a pipelined
+  head too large, too slow or not served, too many pipelined) ends parsing (what
+  follows is read and discarded, so a client that leaves is still noticed): that
+  request finishes, its answer says ``Connection: close``, then the connection
+  closes; requests queued behind it were never sent and are dropped. Only a refusal
+  of the active request's own body (its chunk framing, a body byte that did not come)
+  abandons it upstream and is answered instead, if no response started. With no
+  request upstream the refusal itself is the answer;
 - **flow control**: request bodies are handed on as they arrive and reading pauses
   while the consumer is behind; responses are written as given, and the writer learns
   when the client stops reading (``paused_writing``);
 - **framing** answers: ``respond`` for a whole answer in one write, ``start``/``write``/
   ``end`` for a streamed one (chunked, or close-delimited for HTTP/1.0), ``take_over``
-  for a protocol switch (the connection's bytes then go to a tunnel untouched).
+  for a protocol switch (the connection's bytes then go to a tunnel untouched); an
+  HTTP/1.0 client whose connection stays open is told ``Connection: keep-alive``.
 
 An exception from a handler becomes a 500 ``Status`` here if nothing was sent yet,
 else the connection is closed (the client sees a truncated response, never a lie).
@@ -59,7 +71,9 @@ PIPELINE_PAUSE = 2
 """Requests parsed ahead of the one being answered before reading pauses."""
 MAX_PIPELINED = 32
 """More than this parsed ahead (one read can hold thousands of tiny requests, and llhttp
-parses all it is given): 400 and the connection ends."""
+parses all it is given; the requests of one read all wait for its verdict, so they
+count too): the connection ends, after the answer of the request already upstream if
+there is one, else with a 400."""
 _FRAMING_RAW = frozenset((b"content-length", b"transfer-encoding"))
 _FRAMING_LENGTHS = frozenset(len(name) for name in _FRAMING_RAW)
 MAX_HEADER_FIELDS = 1000
@@ -295,7 +309,9 @@ class Exchange:
               hold: bool = False) -> None:
         """The response head. ``fields`` must frame the body (``Content-Length``, or
         ``Transfer-Encoding: chunked`` which is replaced by close-delimiting for
-        HTTP/1.0 clients). ``hold`` keeps the head for the first write."""
+        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it,
+        else ``Connection: keep-alive`` for HTTP/1.0 (whose default is to close).
+        ``hold`` keeps the head for the first write."""
         if self.started:
             raise RuntimeError("response already started")
         names = {name.lower() for name, _ in fields}
@@ -308,6 +324,8 @@ class Exchange:
         if self._close_after or not self.keep_alive or self.conn.closing:
             fields = [*fields, ("Connection", "close")]
             self._close_after = True
+        elif self.version < (1, 1):
+            fields = [*fields, ("Connection", "keep-alive")]  # else a 1.0 client closes
         head = wire.response_head(status, reason, fields)  # may raise: nothing started yet
         self.started = True
         self.status = status
@@ -320,8 +338,9 @@ class Exchange:
                   bodiless: bool) -> None:
         """A relayed response head: ``head`` is its status line and end-to-end fields as
         bytes; this adds the framing (the upstream's ``length``, else chunked, or
-        close-delimited for HTTP/1.0) and ``Connection: close`` when due, and holds it
-        for the first write. ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
+        close-delimited for HTTP/1.0) and ``Connection: close`` when due (else
+        ``Connection: keep-alive`` for HTTP/1.0), and holds it for the first write.
+        ``bodiless``: HEAD, 1xx, 204, 304 (a length passes as is)."""
         if self.started:
             raise RuntimeError("response already started")
         if length is not None and status != 204:  # a 204 has no Content-Length (RFC 9110)
@@ -335,6 +354,8 @@ class Exchange:
         if self._close_after or not self.keep_alive or self.conn.closing:
             head += b"Connection: close\r\n"
             self._close_after = True
+        elif self.version < (1, 1):
+            head += b"Connection: keep-alive\r\n"  # else a 1.0 client closes
         self._head_pending = head + b"\r\n"
         self.started = True
         self.status = status
@@ -417,6 +438,10 @@ class DownstreamConnection(FlowControl):
         self._fed_body = self._framing_bytes = 0
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None
+        self._feeding = False
+        """llhttp is parsing a read: nothing is dispatched until its verdict on all of it."""
+        self._refused = False
+        """A refusal ended parsing: whatever else the client sends is discarded."""
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -469,6 +494,8 @@ class DownstreamConnection(FlowControl):
         if self._upgrading is not None:
             self._early_bytes(self._upgrading, data)
             return
+        if self._refused:
+            return
         if not self._in_head and self._parsing is None:
             self._in_head = True
             self._head_bytes, self._tail = 0, b""
@@ -477,6 +504,7 @@ class DownstreamConnection(FlowControl):
             return
         body = self._parsing
         self._fed_body = 0
+        self._feeding = True
         try:
             self._parser.feed_data(data)
             if body is not None and body is self._parsing:
@@ -492,6 +520,11 @@ class DownstreamConnection(FlowControl):
                          else Refusal(400, "the request could not be parsed"))
         except httptools.HttpParserError as exc:
             self._refuse(_parse_refusal(exc))
+        finally:
+            self._feeding = False
+        # Only now, with llhttp's verdict on the whole read: a request parsed from it
+        # goes upstream only if nothing after it in the read was refused.
+        self._next()
 
     def _count_head(self, data: bytes) -> bool:
         """Count head bytes as they arrive (llhttp reports a header only once it ended,
@@ -583,8 +616,7 @@ class DownstreamConnection(FlowControl):
             self.deadline = 0.0
         else:
             self._expect("body", self.listener.limits.header_read_timeout)
-        if self._active is None:
-            self._next()
+        # Dispatched by ``data_received`` once the whole read is parsed, never from here.
 
     def on_body(self, body: bytes) -> None:
         self._fed_body += len(body)
@@ -611,8 +643,9 @@ class DownstreamConnection(FlowControl):
     # ---------------------------------------------------------------- running handlers
 
     def _next(self) -> None:
-        """Start the next queued request: one at a time, answers in request order."""
-        if not self._queue or self.closing or self._active is not None:
+        """Start the next queued request: one at a time, answers in request order; never
+        while llhttp parses a read (``data_received`` calls this once it is done)."""
+        if not self._queue or self.closing or self._active is not None or self._feeding:
             return
         if self._write_paused:
             # The client reads nothing: answer its next request once it does (one
@@ -697,14 +730,33 @@ class DownstreamConnection(FlowControl):
         self.deadline = self.loop.time() + seconds
 
     def _refuse(self, refusal: Refusal) -> None:
-        """Answer a request that cannot be served (if nothing else is being answered),
-        then close: what follows on the connection cannot be trusted."""
+        """Nothing more is parsed on this connection: what follows cannot be trusted.
+        Requests queued behind the active one were never sent anywhere: dropped.
+
+        - The refusal concerns the active request's own body (its framing, a body byte
+          that did not come): that request is abandoned upstream and the refusal is
+          its answer, unless its response started (then the connection just closes).
+        - It concerns bytes after the active request, whose body is whole upstream:
+          that request finishes, and the client gets the upstream's real answer
+          (with ``Connection: close`` when it had not started), then the connection
+          closes. The refusal is counted and logged, not written. Meanwhile reading
+          goes on, discarding, so a client that leaves still ends its request.
+        - No request is active: the refusal is written, then the connection closes.
+        """
         log.log(V(3), "request refused", extra=kv(status=refusal.status, reason=refusal.message))
         self.listener.refused(refusal.status)
-        self.pause_reading("refused")
+        self._refused = True
+        self.deadline = 0.0
         self._queue.clear()
-        self._parsing = None
+        parsing, self._parsing = self._parsing, None
         active = self._active
+        if self._upgrading is not active:  # an upgrade queued behind it, dropped too
+            self._upgrading = None
+        if active is not None and active is not parsing:
+            active._close_after = True  # its answer says so, then ``_complete`` closes
+            self.resume_reading("pipeline")  # nothing is queued any more
+            return
+        self.pause_reading("refused")
         if active is None or not active.started:
             # Nothing was answered yet (a bad body of a request being forwarded counts:
             # its upstream request is abandoned, the client learns why).
@@ -779,7 +831,7 @@ class DownstreamConnection(FlowControl):
         return False
 
     def expired(self, now: float) -> None:
-        if self._raw_sink is not None or self.closing:
+        if self._raw_sink is not None or self.closing or self._refused:
             return
         timeout = self.listener.limits.header_read_timeout
         kind = self._deadline_kind

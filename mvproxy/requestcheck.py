@@ -14,7 +14,10 @@ not forward exactly as kube-apiserver would read it is refused here, before rout
   credentials); any other version is not something mvproxy speaks as text (505).
 - **``Transfer-Encoding`` may only be ``chunked``** (501 otherwise): mvproxy forwards
   bodies without decoding them, and ``gzip, chunked`` would otherwise reach the
-  backend as a body it reads differently from mvproxy.
+  backend as a body it reads differently from mvproxy. It is accepted only as llhttp
+  accepts it, so the two never disagree: one field, ``chunked`` in any case, with
+  spaces (not tabs) after it; ``chunked<TAB>``, which llhttp refuses only after the
+  head is complete, is refused here (400) before anything is sent.
 
 Header names with an underscore are dropped, not refused, as nginx does by default:
 some servers treat ``X_Remote_User`` as ``X-Remote-User``, and mvproxy's identity
@@ -28,6 +31,10 @@ from dataclasses import dataclass
 
 _FORBIDDEN_IN_TARGET = re.compile(r"[\x00-\x20\x7f#]")
 """Controls, space and a fragment: never part of a request target (RFC 9112 §3.2)."""
+_CHUNKED = re.compile(r"[ \t]*chunked *", re.IGNORECASE | re.ASCII)
+"""The one ``Transfer-Encoding`` field value served, as llhttp reads it: llhttp drops the
+leading whitespace itself and accepts trailing spaces, but refuses a trailing tab (or
+any other byte) after the final ``chunked``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +57,15 @@ def check_request(version: tuple[int, int], target: str,
     if problem:
         return Refusal(400, problem)
     if transfer_encodings:
-        codings = [c.strip().lower() for value in transfer_encodings for c in value.split(",")]
+        # Only space and tab are whitespace in a field (RFC 9110 §5.6.3): str.strip()
+        # would also take "\xa0" or "\x0b" away, which llhttp keeps and refuses.
+        codings = [c.strip(" \t").lower() for value in transfer_encodings
+                   for c in value.split(",")]
         if codings != ["chunked"]:
             return Refusal(501, "only the chunked transfer coding is supported")
+        if len(transfer_encodings) != 1 or not _CHUNKED.fullmatch(transfer_encodings[0]):
+            return Refusal(400, "Transfer-Encoding must be 'chunked' with nothing but "
+                                "spaces after it")
     return None
 
 

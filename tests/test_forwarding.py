@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import random
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -490,6 +491,99 @@ async def test_head_and_not_modified_have_no_body(chain, downstream_client):
         assert await resp.read() == b""
     async with downstream_client.get(f"{base}/openapi/v3/apis/x/v1") as resp:
         assert resp.status == 200 and await resp.read() == b"x" * 100
+
+
+# --------------------------------------------------------------------------- HTTP/1.0 keep-alive
+# A 1.0 client closes after each answer unless it says ``Connection: keep-alive``.
+
+
+async def one_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(head, body) of the next response: a Content-Length body, else up to the end."""
+    async with asyncio.timeout(WAIT):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"\r\ncontent-length: *(\d+)", head.lower())
+        body = await (reader.readexactly(int(length[1])) if length else reader.read())
+    return head, body
+
+
+def connection_field(head: bytes) -> list[bytes]:
+    return re.findall(rb"\r\nconnection: *([^\r]*)", head.lower())
+
+
+async def open_tls(base: str, root: Path):
+    return await asyncio.open_connection(
+        "127.0.0.1", int(base.rsplit(":", 1)[1]), ssl=tls.client_context(root / "ca.crt"),
+        server_hostname="127.0.0.1")
+
+
+def one_point_zero(path: str, fields: bytes = b"Connection: keep-alive\r\n") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.0\r\nHost: x\r\n" + fields + b"\r\n"
+
+
+async def test_a_relayed_answer_to_an_http10_keep_alive_request_says_keep_alive(chain, root):
+    """The connection was kept open but the answer lacked ``Connection: keep-alive``, so
+    the 1.0 client closed it anyway (``start_raw``)."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path})
+
+    base = await chain(catch_all(answer))
+    reader, writer = await open_tls(base, root)
+    try:
+        for path in ("/api/v1/namespaces/one", "/api/v1/namespaces/two"):
+            writer.write(one_point_zero(path))
+            head, body = await one_response(reader)
+            assert head.startswith(b"HTTP/1.1 200 ") and connection_field(head) == [
+                b"keep-alive"], head
+            assert json.loads(body) == {"path": path}
+        writer.write(one_point_zero("/api/v1/namespaces/last", b""))  # 1.0's default
+        head, body = await one_response(reader)
+        assert connection_field(head) == [b"close"] and await reader.read() == b""
+    finally:
+        writer.close()
+
+
+async def test_a_streamed_answer_to_an_http10_keep_alive_request_still_closes(chain, root):
+    """No chunked coding in 1.0: the body ends with the connection, which says so."""
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"type":"ADDED"}\n')
+        await response.write_eof()
+        return response
+
+    base = await chain(catch_all(stream))
+    reader, writer = await open_tls(base, root)
+    try:
+        writer.write(one_point_zero("/api/v1/pods?watch=1"))
+        head, body = await one_response(reader)
+    finally:
+        writer.close()
+    assert connection_field(head) == [b"close"] and b"transfer-encoding" not in head.lower()
+    assert body == b'{"type":"ADDED"}\n'
+
+
+async def test_an_answer_mvproxy_writes_to_an_http10_keep_alive_request_says_keep_alive(
+        listen, root):
+    """``respond`` (and ``start`` under it): discovery, Status answers."""
+    async def handle(exchange) -> None:
+        exchange.respond(200, [("Content-Type", "application/json")],
+                         json.dumps({"path": exchange.path}).encode())
+
+    port = await listen(handle, tls.server_context(root / "a" / "mvproxy.crt",
+                                                   root / "a" / "mvproxy.key"))
+    reader, writer = await open_tls(f"https://127.0.0.1:{port}", root)
+    try:
+        for path in ("/apis", "/api"):
+            writer.write(one_point_zero(path))
+            head, body = await one_response(reader)
+            assert connection_field(head) == [b"keep-alive"], head
+            assert json.loads(body) == {"path": path}
+        writer.write(one_point_zero("/version", b""))
+        head, _ = await one_response(reader)
+        assert connection_field(head) == [b"close"] and await reader.read() == b""
+    finally:
+        writer.close()
 
 
 def closed_port() -> int:

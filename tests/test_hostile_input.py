@@ -2,13 +2,17 @@
 
 1. The pure parsers (request checks, request info, routing, Accept negotiation,
    discovery documents, header encoding) take generated input (hypothesis) and never
-   raise anything but their declared errors.
+   raise anything but their declared errors; the request checks accept no
+   ``Transfer-Encoding`` llhttp refuses (a measured table, then generated values).
 2. The listener takes generated and mutated request heads, smuggling variants,
    early-ending bodies and slow clients over real TLS: every answer is a 4xx/5xx
    ``Status`` (or the connection closes), never a 500 or a traceback; the backend
    only ever sees origin-form targets and no underscore names; nothing is smuggled
    through; no connection goes anywhere but the backend (a canary listener counts);
-   and a well-behaved client is served afterwards.
+   and a well-behaved client is served afterwards. Once a request went upstream, what
+   the client sends after it cannot change its answer: the backend's answer arrives
+   with ``Connection: close``; a request refused with bytes of the same read never
+   reaches the backend (the object exists exactly when the client was told 201).
 3. No token, key or body reaches a log line, at any verbosity, in either format.
 
 Example counts are bounded (``max_examples``), and each case records what it tried
@@ -18,15 +22,22 @@ for ``docs/reliability.md``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import ssl
 
+import httptools
 import pytest
+from aiohttp import web
 from daemon_support import (
     PODGROUPS,
+    WAIT,
     Cluster,
+    body_of,
     cluster,
+    ready,
     synced,
 )
 from hypothesis import HealthCheck, given, settings
@@ -62,10 +73,107 @@ def test_check_request_accepts_only_what_can_be_forwarded(major, minor, target, 
         assert (major, minor) in ((1, 0), (1, 1))
         assert target.startswith("/") and not target.startswith("//")
         assert not any(c in target for c in " #\r\n\0\x7f")
-        assert not codings or [c.strip().lower() for v in codings
-                               for c in v.split(",")] == ["chunked"]
+        assert not codings or (len(codings) == 1 and codings[0].strip(" \t").lower()
+                               == "chunked" and not codings[0].endswith("\t"))
     else:
         assert refusal.status in (400, 501, 505)
+
+
+class _Head:
+    """What llhttp tells the listener about a request head (its callbacks)."""
+
+    def __init__(self) -> None:
+        self.te: list[bytes] = []
+        self.complete = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"transfer-encoding":
+            self.te.append(value)
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+def llhttp_reads(values: list[bytes]) -> tuple[str, list[str]]:
+    """llhttp's verdict on a chunked POST with these ``Transfer-Encoding`` field values
+    ("accepted", "refused in the head", "refused after the head": the listener had
+    already seen the whole head), and the values as the listener gets them."""
+    head = _Head()
+    parser = httptools.HttpRequestParser(head)
+    raw = (b"POST /api/v1/namespaces/default/configmaps HTTP/1.1\r\nHost: x\r\n"
+           + b"".join(b"Transfer-Encoding: " + v + b"\r\n" for v in values)
+           + b"\r\n3\r\nabc\r\n0\r\n\r\n")
+    try:
+        parser.feed_data(raw)
+        verdict = "accepted"
+    except httptools.HttpParserError:
+        verdict = "refused after the head" if head.complete else "refused in the head"
+    return verdict, [v.decode("latin-1") for v in head.te]
+
+
+TE_TABLE = {
+    # values: (llhttp's verdict, mvproxy's status; None = served)
+    (b"chunked",): ("accepted", None),
+    (b"Chunked",): ("accepted", None),
+    (b" chunked",): ("accepted", None),
+    (b"\tchunked",): ("accepted", None),
+    (b"chunked ",): ("accepted", None),
+    (b"chunked  ",): ("accepted", None),
+    (b"chunked\t",): ("refused after the head", 400),
+    (b"chunked\t\t",): ("refused after the head", 400),
+    (b" \tchunked\t ",): ("refused after the head", 400),
+    (b"chunked\xa0",): ("refused after the head", 501),
+    (b"chunked\x85",): ("refused after the head", 501),
+    (b"chunked;x",): ("refused after the head", 501),
+    (b"chunked; x=1",): ("refused after the head", 501),
+    (b'"chunked"',): ("refused after the head", 501),
+    (b"xchunked",): ("refused after the head", 501),
+    (b"identity",): ("refused after the head", 501),
+    (b"gzip, chunked",): ("accepted", 501),
+    (b"gzip,chunked",): ("accepted", 501),
+    (b"identity, chunked",): ("accepted", 501),
+    (b", chunked",): ("accepted", 501),
+    (b"gzip", b"chunked"): ("accepted", 501),
+    (b"chunked, chunked",): ("refused in the head", None),
+    (b"chunked,",): ("refused in the head", None),
+    (b"chunked, identity",): ("refused in the head", None),
+    (b"chunked", b"chunked"): ("refused in the head", None),
+    (b"chunked", b"gzip"): ("refused in the head", None),
+    (b"",): ("refused in the head", None),
+    (b"chunked\x0b",): ("refused in the head", None),
+}
+"""Measured with httptools 0.9.0 (llhttp 9). "refused in the head": the listener never
+sees the head, so mvproxy's status does not apply (None)."""
+
+
+@pytest.mark.parametrize("values", list(TE_TABLE), ids=[repr(b", ".join(v))[2:-1] or "empty"
+                                                         for v in TE_TABLE])
+def test_transfer_encoding_is_accepted_only_as_llhttp_accepts_it(values):
+    """``Transfer-Encoding: chunked<TAB>`` passed check_request (str.strip) and reached
+    the backend; llhttp refused it only after the head. Never accept what it refuses."""
+    verdict, seen = llhttp_reads(list(values))
+    status = None
+    if verdict != "refused in the head":
+        refusal = requestcheck.check_request((1, 1), "/api", seen)
+        status = refusal.status if refusal is not None else None
+        assert status is not None or verdict == "accepted"
+    assert (verdict, status) == TE_TABLE[values]
+
+
+_ws = st.text(alphabet=" \t\xa0\x0b\x85", max_size=3)
+_coding = st.tuples(_ws, st.sampled_from(["chunked", "Chunked", "CHUNKED", "gzip", "identity",
+                                          "chunked;x", "chunked=1", '"chunked"', "x", ""]),
+                    _ws).map("".join)
+te_values = st.lists(st.lists(_coding, min_size=1, max_size=3).map(",".join)
+                     .map(lambda v: v.encode("latin-1")), min_size=1, max_size=2)
+
+
+@PURE
+@given(values=te_values)
+def test_what_check_request_accepts_llhttp_accepts(values):
+    verdict, seen = llhttp_reads(values)
+    if verdict != "refused in the head" and requestcheck.check_request((1, 1), "/", seen) is None:
+        assert verdict == "accepted", values
 
 
 @PURE
@@ -123,6 +231,9 @@ def test_record_pure_parsers():
     record(SUITE, "pure parsers (request checks, request info + routing, Accept, discovery "
                   "documents, header encoding), generated input", 5 * 400,
            "only declared errors raised")
+    record(SUITE, "Transfer-Encoding values, llhttp's verdict against check_request's "
+                  f"(a measured table of {len(TE_TABLE)}, then generated values)",
+           len(TE_TABLE) + 400, "nothing llhttp refuses is accepted")
 
 
 # --------------------------------------------------------------------------- 2. the listener
@@ -261,6 +372,275 @@ async def test_bodies_that_end_early_hurt_nobody_else(aiohttp_server, root):
             assert status == 200
         record(SUITE, "request bodies that end early (Content-Length and chunked, to the "
                       "backend and through a peer)", 30, "others served throughout")
+
+
+# --------------------------------------------------------------------------- 2b. truthful answers
+# Once a request went upstream the client gets the backend's answer, whatever it sent
+# after it; a request mvproxy refuses (or drops unanswered) never reached the backend.
+
+TRUTH = "/api/v1/namespaces/truth/secrets"
+
+
+class Objects:
+    """The backend's side of ``TRUTH``: a POST creates the object its body names (once
+    ``gate`` is set), a GET of ``TRUTH/<name>`` finds it; ``bodies`` counts bodies read
+    whole, ``broken`` bodies that ended early."""
+
+    def __init__(self) -> None:
+        self.created: dict[str, bytes] = {}
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.patience = WAIT
+        """How long a create waits for ``gate`` before it fails."""
+        self.bodies = self.broken = 0
+
+    def routes(self, app: web.Application) -> None:
+        async def create(request: web.Request) -> web.Response:
+            try:
+                body = await request.read()
+            except BaseException:  # a reset, or aiohttp cancels the handler
+                self.broken += 1
+                raise
+            self.bodies += 1
+            await asyncio.wait_for(self.gate.wait(), self.patience)
+            name = json.loads(body)["metadata"]["name"]
+            self.created[name] = body
+            return web.json_response({"kind": "Secret", "metadata": {"name": name}},
+                                     status=201)
+
+        async def get(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            if name not in self.created:
+                return web.json_response({"kind": "Status", "code": 404}, status=404)
+            return web.json_response({"kind": "Secret", "metadata": {"name": name}})
+
+        app.router.add_post(TRUTH, create)
+        app.router.add_get(TRUTH + "/{name}", get)
+
+
+def create_request(name: str, *, fields: bytes = b"") -> bytes:
+    body = json.dumps({"kind": "Secret", "metadata": {"name": name}}).encode()
+    return (b"POST " + TRUTH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\n" + fields + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+async def exists(c: Cluster, name: str) -> bool:
+    status, _, _ = await c.get(f"{TRUTH}/{name}")
+    assert status in (200, 404), status
+    return status == 200
+
+
+def creates_seen(c: Cluster) -> int:
+    return sum(1 for method, target in c.seen["backend"] if (method, target) == ("POST", TRUTH))
+
+
+async def warm(c: Cluster) -> None:
+    """A pooled backend connection: the request goes out by callbacks alone (the path
+    that sent a request upstream from inside llhttp's parse of the read)."""
+    status, _, _ = await c.get("/api/v1/namespaces/warm")
+    assert status == 200
+
+
+async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT)."""
+    received = b""
+    async with asyncio.timeout(WAIT):
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while chunk := await reader.read(65536):
+                received += chunk
+    return received
+
+
+ONE_WRITE = {
+    "unparseable bytes": (b"", b"\x01\x02 not HTTP\r\n\r\n"),
+    "a request after its Connection: close": (
+        b"Connection: close\r\n", b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_WRITE))
+async def test_a_request_refused_with_what_follows_it_in_one_read_never_reaches_the_backend(
+        aiohttp_server, root, name):
+    """A valid create, then bytes llhttp refuses, in one write: the create went upstream
+    from inside the parse and was answered 400 while the backend created the object.
+    llhttp's verdict on a read now comes before anything from it is sent."""
+    objects = Objects()
+    fields, tail = ONE_WRITE[name]
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        await warm(c)
+        answer = await c.raw(create_request("one-read", fields=fields) + tail)
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"400"], answer[:300]
+        assert "could not be parsed" in body_of(answer)["message"]
+        assert not await exists(c, "one-read")
+        assert creates_seen(c) == 0 and objects.bodies == 0
+        assert not any("pipelined" in target for _, target in c.seen["backend"])
+        record(SUITE, f"a valid create followed in the same write by {name}", 1,
+               "400 Status; the backend never saw the create")
+
+
+AFTER = {
+    # tail, the refusal counted, listener settings, fields of the create itself
+    "unparseable bytes": (b"\x01\x02 not HTTP\r\n\r\n", "400", {}, b""),
+    "a request after Connection: close": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n", "400", {},
+        b"Connection: close\r\n"),
+    "a pipelined request mvproxy refuses": (
+        b"GET http://127.0.0.1/api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n", "400",
+        {}, b""),
+    "a pipelined head over maxHeaderBytes": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nX-Big: " + b"a" * 8192 + b"\r\n\r\n",
+        "431", {"maxHeaderBytes": 4096}, b""),
+    "more requests pipelined than allowed": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n\r\n" * 40, "400", {}, b""),
+    "a pipelined head that stops arriving": (
+        b"GET /api/v1/namespaces/pipelined HTTP/1.1\r\nHost: x\r\n", "408",
+        {"headerReadTimeout": "500ms"}, b""),
+}
+
+
+@pytest.mark.parametrize("name", list(AFTER))
+async def test_what_follows_a_forwarded_request_cannot_change_its_answer(aiohttp_server, root,
+                                                                         name):
+    """The create is upstream, its body whole, the backend not done: a refusal of what
+    the client sent next was written as the create's answer (400, 408, 431) and the
+    backend created the object anyway. Now the client gets the backend's 201 with
+    ``Connection: close``, then the connection ends; nothing after the create is sent."""
+    objects = Objects()
+    tail, code, limits, fields = AFTER[name]
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes,
+                       listener=limits) as c:
+        await ready(c)
+        await warm(c)
+        objects.gate.clear()
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(create_request("after", fields=fields))
+            await c.until(lambda: _true(objects.bodies == 1), "the backend to read the body")
+            writer.write(tail)
+            await c.until(lambda: _metric_is(c, code), f"the {code} refusal")
+            objects.gate.set()
+            answer = await read_until_closed(reader)
+        finally:
+            objects.gate.set()
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"201"], answer[:300]
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert b"\r\nconnection: close" in head, head
+        assert await exists(c, "after")
+        assert creates_seen(c) == 1
+        assert not any("pipelined" in target for _, target in c.seen["backend"])
+        record(SUITE, f"{name} while a create is upstream", 1,
+               f"{code} counted, not written: the client got the backend's 201 with "
+               "Connection: close, then the connection ended; nothing after it was sent")
+
+
+async def test_an_answer_under_way_is_finished_before_the_connection_closes(aiohttp_server,
+                                                                            root):
+    """The answer had started (a stream) when the client sent bytes llhttp refuses: the
+    connection closed at once, cutting the answer. Now it ends whole, then closes."""
+    gate = asyncio.Event()
+
+    def streaming(app: web.Application) -> None:
+        async def stream(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            await response.write(b'{"part":1}\n')
+            await asyncio.wait_for(gate.wait(), WAIT)
+            await response.write(b'{"part":2}\n')
+            await response.write_eof()
+            return response
+        app.router.add_get(TRUTH + "/stream", stream)
+
+    async with cluster(aiohttp_server, root, backend_routes=streaming) as c:
+        await ready(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(b"GET " + TRUTH.encode() + b"/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            async with asyncio.timeout(WAIT):
+                while b'{"part":1}' not in received:
+                    chunk = await reader.read(65536)
+                    assert chunk, received
+                    received += chunk
+            writer.write(b"\x01\x02 not HTTP\r\n\r\n")
+            await c.until(lambda: _metric_is(c, "400"), "the 400 refusal")
+            gate.set()
+            received += await read_until_closed(reader)
+        finally:
+            gate.set()
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", received) == [b"200"], received[:300]
+        body = received.partition(b"\r\n\r\n")[2]
+        assert b'{"part":2}' in body and body.endswith(b"\r\n0\r\n\r\n"), body
+        record(SUITE, "unparseable bytes while an answer is being streamed", 1,
+               "400 counted, not written: the answer ended whole, then the connection "
+               "closed")
+
+
+async def test_a_client_that_leaves_after_refused_bytes_ends_its_request(aiohttp_server,
+                                                                          root):
+    """The request upstream is let finish, but not for a client that is gone: its
+    connection is still read (and what comes discarded), so its leaving is seen."""
+    objects = Objects()
+    objects.patience = 3 * WAIT  # the backend's answer must not be what ends it
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        objects.gate.clear()
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(create_request("left"))
+            await c.until(lambda: _true(objects.bodies == 1), "the backend to read the body")
+            writer.write(b"\x01\x02 not HTTP\r\n\r\n")
+            await c.until(lambda: _metric_is(c, "400"), "the 400 refusal")
+            assert await c.metric("mvproxy_inflight_requests", route="backend") == 1
+            writer.transport.abort()  # gone, without a word
+            await c.until(lambda: _inflight_is(c, 0), "the request to end with the client")
+        finally:
+            objects.gate.set()
+            writer.close()
+        record(SUITE, "a client that leaves after refused bytes, its create upstream", 1,
+               "its request ended with it (the connection is still read, discarding)")
+
+
+async def _inflight_is(c: Cluster, value: float) -> bool:
+    return await c.metric("mvproxy_inflight_requests", route="backend") == value
+
+
+async def test_a_refused_body_of_a_forwarded_request_abandons_it(aiohttp_server, root):
+    """Bad chunk framing in the body being streamed upstream: the refusal is the answer
+    (no response had started) and the upstream request is abandoned, never completed."""
+    objects = Objects()
+    async with cluster(aiohttp_server, root, backend_routes=objects.routes) as c:
+        await ready(c)
+        await warm(c)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", c.port, ssl=c.contexts["admin"], server_hostname="127.0.0.1")
+        try:
+            writer.write(b"POST " + TRUTH.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n3\r\n{\"k\r\n")
+            await c.until(lambda: _true(creates_seen(c) == 1), "the create to go upstream")
+            writer.write(b"zz\r\n")
+            answer = await read_until_closed(reader)
+        finally:
+            writer.close()
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"400"], answer[:300]
+        await c.until(lambda: _true(objects.broken == 1), "the backend to see the body end")
+        assert objects.bodies == 0 and objects.created == {}
+        record(SUITE, "bad chunk framing in the body of a request being forwarded", 1,
+               "400 Status; the upstream request abandoned with its body incomplete")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _metric_is(c: Cluster, code: str) -> bool:
+    return await c.metric("mvproxy_refused_requests_total", code=code) == 1
 
 
 # --------------------------------------------------------------------------- 3. secrets
