@@ -38,6 +38,11 @@ RUN_FLAGS: dict[str, tuple[str, str]] = {
     "peers": ("peers.static", "a static peer as ID=URL (repeatable)"),
     "admin_bind_address": ("admin.bindAddress", "IP address of the admin listener"),
     "admin_port": ("admin.port", "port of the admin listener (metrics, health)"),
+    "admin_metrics_bind_address": ("admin.metricsBindAddress",
+                                   "IP address of a second listener serving /metrics alone, "
+                                   "e.g. the node IP for Prometheus (default: none)"),
+    "admin_metrics_port": ("admin.metricsPort",
+                           "port of the /metrics-only listener (default 9444)"),
     "discovery_poll_interval": ("discovery.pollInterval", "e.g. 5s, 500ms"),
     "workers": ("workers", "processes sharing the secure port (default 1)"),
     "verbosity": ("logging.verbosity", "klog-style log verbosity 0..10"),
@@ -60,7 +65,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         elif dest == "log_format":
             parser.add_argument("--log-format", dest="log_format", choices=("text", "json"),
                                 help=help_text)
-        elif dest in ("secure_port", "admin_port"):
+        elif dest in ("secure_port", "admin_port", "admin_metrics_port"):
             parser.add_argument(_flag(dest), dest=dest, type=int, metavar="PORT", help=help_text)
         elif dest == "workers":
             parser.add_argument(_flag(dest), dest=dest, type=int, metavar="N", help=help_text)

@@ -88,6 +88,16 @@ def test_flags_override_the_file_and_are_validated(tmp_path, cluster_pki):
     assert "discovery.pollInterval:" in result.stderr
 
 
+def test_admin_listener_settings_are_validated_by_path(tmp_path, cluster_pki):
+    config = write_config(tmp_path / "c.yaml", cluster_pki,
+                          "admin: {allowedHosts: [ok.example, 'evil.example:80'],"
+                          " metricsPort: 9443, metricsBindAddress: 127.0.0.1}\n")
+    result = mvproxy_cmd("check-config", str(config), "--admin-metrics-bind-address", "nope")
+    assert_clean_failure(result)
+    assert "admin.allowedHosts[1]: must be a DNS name" in result.stderr
+    assert "admin.metricsBindAddress: must be an IP address, got 'nope'" in result.stderr
+
+
 def test_a_key_that_does_not_match_its_certificate_names_both_files(tmp_path, cluster_pki):
     config = write_config(tmp_path / "c.yaml", cluster_pki)
     wrong_key = cluster_pki / "apiserver-b" / "front-proxy-client.key"
