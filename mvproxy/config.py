@@ -223,6 +223,7 @@ def _duration(*, allow_zero: bool = False) -> Parser:
             raise _Invalid(f"must be > 0, got {value!r}")
         return seconds
 
+    setattr(parse, "duration", True)  # noqa: B010 - marks it for ``default_text``
     return parse
 
 
@@ -797,6 +798,35 @@ def _descend(document: dict[Any, Any], parents: list[str], dotted: str,
         node[part] = child = dict(child or {})
         node = child
     return node
+
+
+def default_text(dotted: str) -> str | None:
+    """The default of the setting at YAML path ``dotted`` (``admin.bindAddress``) as a
+    flag would write it (``127.0.0.1``, ``5s``, a comma-separated list), for ``--help``
+    (read from the schema, so help never contradicts it); None when there is none to
+    show: required, derived from another setting, unset or empty."""
+    cls: type = Config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        cls = _schema_field(cls, part).metadata["parse"].cls
+    found = _schema_field(cls, leaf)
+    value = found.default
+    if "derive" in found.metadata or value is dataclasses.MISSING or value in (None, ()):
+        return None
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if getattr(found.metadata["parse"], "duration", False):
+        return format_duration(value)
+    return str(value)
+
+
+def _schema_field(cls: type, key: str) -> dataclasses.Field[Any]:
+    for candidate in dataclasses.fields(cls):
+        if candidate.metadata["key"] == key:
+            return candidate
+    raise KeyError(f"{cls.__name__} has no key {key!r}")
 
 
 def _check_header(document: dict[Any, Any], ctx: _Context) -> None:
