@@ -384,8 +384,9 @@ def test_anonymous_requests_stay_anonymous(cluster: DemoCluster) -> None:
         assert proxied.json()["reason"] == direct.json()["reason"]
 
 
-ANON_NS = "anonymous-probe"  # in no request of any other test: audit lines are this test's
-PEER_ONLY_PATHS = (f"{PODGROUPS}/namespaces/{ANON_NS}/podgroups", PODGROUPS)
+ANON_NS = "anonymous-probe"  # in no other test's request: its audit lines are these tests'.
+# A resource and a group version; the query only makes the audited URI this test's own.
+PEER_ONLY_PATHS = (f"{PODGROUPS}/namespaces/{ANON_NS}/podgroups", f"{PODGROUPS}?probe={ANON_NS}")
 NOBODY_PATH = f"/apis/nothing.example.com/v1/namespaces/{ANON_NS}/widgets"
 
 
@@ -398,8 +399,7 @@ def _same_answer(answer, expected) -> None:
 def _never_reached(cluster: DemoCluster, sid: str, path: str) -> None:
     """``sid``'s kube-apiserver audits every request it receives, refused ones too (it
     writes the line before answering, so a forwarded request would already be there)."""
-    seen = [e for e in audit_entries(_audit(cluster, sid))
-            if e.get("requestURI", "").startswith(path)]
+    seen = [e for e in audit_entries(_audit(cluster, sid)) if e.get("requestURI") == path]
     assert not seen, seen
 
 
