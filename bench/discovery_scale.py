@@ -95,10 +95,10 @@ def main() -> int:
     local = parse_request_info("GET", "/apis/g5.example.com/v1/namespaces/x/widgets", "")
     timings = {}
     for name, info in (("peer-only resource", peer_only), ("backend resource", local)):
-        decision = routing.decide(info, view, peer_proxied=False, rng=rng)
+        decision = routing.decide(info, view, peer_proxied=False, credentials=True, rng=rng)
         started = time.perf_counter()
         for _ in range(args.decisions):
-            routing.decide(info, view, peer_proxied=False, rng=rng)
+            routing.decide(info, view, peer_proxied=False, credentials=True, rng=rng)
         timings[name] = ((time.perf_counter() - started) / args.decisions * 1e6, decision.route)
 
     result = {

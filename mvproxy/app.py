@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from mvproxy import reload
-from mvproxy.admin import build_admin_app
+from mvproxy.admin import build_admin_app, metrics_app, metrics_handler
 from mvproxy.cache import DiscoveryCache
 from mvproxy.certreload import CertificateReloader, DaemonTLS
 from mvproxy.config import Config
@@ -260,9 +260,17 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None
                             str(code)).inc())
     daemon.metrics.watch_connections(lambda: listener.open_connections)
     admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining,
-                                          daemon.peer_sources),
+                                          daemon.peer_sources,
+                                          allowed_hosts=None if worker is not None
+                                          else cfg.admin.allowed_hosts),
                           access_log=None, handle_signals=False,
                           shutdown_timeout=_AIOHTTP_SHUTDOWN)
+    # With --workers the supervisor serves /metrics (added up) on this address instead.
+    metrics_only = (web.AppRunner(metrics_app(metrics_handler(daemon.metrics),
+                                              allowed_hosts=cfg.admin.allowed_hosts),
+                                  access_log=None, handle_signals=False,
+                                  shutdown_timeout=_AIOHTTP_SHUTDOWN)
+                    if cfg.admin.metrics_bind_address is not None and worker is None else None)
     try:
         try:
             port = listener.start(cfg.bind_address, cfg.secure_port,
@@ -272,6 +280,12 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None
                              f"{exc.strerror or exc}") from None
         if worker is None:
             ports = (port, await _start(admin, cfg.admin.bind_address, cfg.admin.port, None))
+            if metrics_only is not None:
+                assert cfg.admin.metrics_bind_address is not None
+                metrics_port = await _start(metrics_only, cfg.admin.metrics_bind_address,
+                                            cfg.admin.metrics_port, None)
+                log.info("serving /metrics alone", extra=kv(
+                    address=cfg.admin.metrics_bind_address, port=metrics_port))
         else:
             await admin.setup()
             name = worker.admin_socket  # "@name": the abstract namespace, no file
@@ -294,6 +308,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None
         await _drain(daemon, listener)
         await listener.close()
         await admin.cleanup()
+        if metrics_only is not None:
+            await metrics_only.cleanup()
         poller.cancel()
         reloader.cancel()
         await asyncio.gather(poller, reloader, return_exceptions=True)

@@ -16,11 +16,12 @@ from mvproxy.errors import MvproxyError, UsageError
 
 PROG = "mvproxy"
 
-# flag dest -> YAML path of the same setting; a given flag overrides the file.
+# flag dest -> YAML path of the same setting; a given flag overrides the file. Help
+# shows each setting's default, read from the configuration schema (``default_text``).
 RUN_FLAGS: dict[str, tuple[str, str]] = {
     "server_id": ("serverID", "stable name of this control-plane member"),
-    "bind_address": ("bindAddress", "IP address of the secure listener (default 0.0.0.0)"),
-    "secure_port": ("securePort", "port of the secure listener (default 6443)"),
+    "bind_address": ("bindAddress", "IP address of the secure listener"),
+    "secure_port": ("securePort", "port of the secure listener"),
     "tls_cert_file": ("tlsCertFile", "serving certificate of the listener"),
     "tls_private_key_file": ("tlsPrivateKeyFile", "private key of --tls-cert-file"),
     "client_ca_file": ("clientCAFile", "CA that verifies downstream client certificates"),
@@ -36,10 +37,17 @@ RUN_FLAGS: dict[str, tuple[str, str]] = {
     "peer_allowed_names": ("peer.allowedNames", "comma-separated peer certificate CNs"),
     "peer_advertise_url": ("peer.advertiseURL", "URL peers use to reach this mvproxy"),
     "peers": ("peers.static", "a static peer as ID=URL (repeatable)"),
-    "admin_bind_address": ("admin.bindAddress", "IP address of the admin listener"),
-    "admin_port": ("admin.port", "port of the admin listener (metrics, health)"),
-    "discovery_poll_interval": ("discovery.pollInterval", "e.g. 5s, 500ms"),
-    "workers": ("workers", "processes sharing the secure port (default 1)"),
+    "admin_bind_address": ("admin.bindAddress",
+                           "IP address of the admin listener (metrics, health, debug, "
+                           "status page; plain HTTP, no authentication)"),
+    "admin_port": ("admin.port", "port of the admin listener"),
+    "admin_metrics_bind_address": ("admin.metricsBindAddress",
+                                   "IP address of a second listener serving /metrics alone, "
+                                   "e.g. the node IP for Prometheus (default: none)"),
+    "admin_metrics_port": ("admin.metricsPort", "port of the /metrics-only listener"),
+    "discovery_poll_interval": ("discovery.pollInterval",
+                                "time between discovery polls of each server, e.g. 5s, 500ms"),
+    "workers": ("workers", "processes sharing the secure port"),
     "verbosity": ("logging.verbosity", "klog-style log verbosity 0..10"),
     "log_format": ("logging.format", "text or json"),
 }
@@ -49,8 +57,17 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _help(path: str, text: str) -> str:
+    from mvproxy.config import default_text  # stdlib only: cheap, but not for --version
+
+    default = default_text(path)
+    # argparse expands %-sequences in help: a literal % must be doubled.
+    return (text if default is None else f"{text} (default {default})").replace("%", "%%")
+
+
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
-    for dest, (_, help_text) in RUN_FLAGS.items():
+    for dest, (path, text) in RUN_FLAGS.items():
+        help_text = _help(path, text)
         if dest == "peers":
             parser.add_argument("--peer", dest="peers", action="append", metavar="ID=URL",
                                 help=help_text)
@@ -60,7 +77,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         elif dest == "log_format":
             parser.add_argument("--log-format", dest="log_format", choices=("text", "json"),
                                 help=help_text)
-        elif dest in ("secure_port", "admin_port"):
+        elif dest in ("secure_port", "admin_port", "admin_metrics_port"):
             parser.add_argument(_flag(dest), dest=dest, type=int, metavar="PORT", help=help_text)
         elif dest == "workers":
             parser.add_argument(_flag(dest), dest=dest, type=int, metavar="N", help=help_text)

@@ -223,6 +223,7 @@ def _duration(*, allow_zero: bool = False) -> Parser:
             raise _Invalid(f"must be > 0, got {value!r}")
         return seconds
 
+    setattr(parse, "duration", True)  # noqa: B010 - marks it for ``default_text``
     return parse
 
 
@@ -485,15 +486,39 @@ class DiscoveryConfig:
     poll. Caps the memory a broken or hostile peer can make us hold."""
 
 
+def _host_name(value: object, path: str, ctx: _Context) -> str:
+    """A DNS name as a ``Host`` header carries it, without port or scheme (stored
+    lowercase, without a final dot: names are case-insensitive)."""
+    text = _string(value, path, ctx)
+    name = text.lower().removesuffix(".")
+    if len(name) > 253 or not SERVER_ID_RE.fullmatch(name):
+        raise _Invalid("must be a DNS name (letters, digits, '-' and '.', no port, scheme or "
+                       f"wildcard; IP addresses and localhost are always allowed), got {text!r}")
+    return name
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdminConfig:
     """The admin listener: ``/metrics``, ``/healthz``, ``/livez``, ``/readyz``,
-    ``/debug/mvproxy``."""
+    ``/debug/mvproxy`` and the status page; optionally ``/metrics`` alone on a second
+    address, for Prometheus off the node."""
 
     bind_address: str = _key("bindAddress", _ip_address, default="127.0.0.1")
     """IP address the admin listener binds (127.0.0.1): it is unauthenticated plain HTTP."""
     port: int = _key("port", _integer(0, 65535), default=9443)
     """TCP port of the admin listener (9443; 0 picks a free port, for tests)."""
+    allowed_hosts: tuple[str, ...] = _key("allowedHosts", _list_of(_host_name), default=())
+    """DNS names the admin and metrics listeners answer for in ``Host``, besides IP
+    addresses and ``localhost`` (none). Any other ``Host`` gets 421: a web page whose
+    name an attacker rebinds to 127.0.0.1 (DNS rebinding) must not read the debug
+    endpoints from a browser on the node."""
+    metrics_bind_address: str | None = _key("metricsBindAddress", _ip_address, default=None)
+    """IP address of a second listener that serves ``/metrics`` alone (None: none). For
+    scraping from off the node (the node IP) while the admin listener, with the status
+    page and ``/debug/mvproxy``, stays on 127.0.0.1. Plain HTTP, unauthenticated."""
+    metrics_port: int = _key("metricsPort", _integer(0, 65535), default=9444)
+    """TCP port of the metrics listener (9444; 0 picks a free port), when
+    ``metricsBindAddress`` is set."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -665,6 +690,20 @@ def _not_below(name: str, floor: float, value: float) -> str:
     return f"must be >= {name} ({format_duration(floor)}), got {format_duration(value)!r}"
 
 
+def _check_admin(v: dict[str, Any], path: str, ctx: _Context) -> None:
+    """The metrics listener cannot share the admin listener's port on an overlapping
+    address (the bind would fail at start, after check-config said yes)."""
+    address, port = v["metrics_bind_address"], v["metrics_port"]
+    if address is None or not _valid(address, port, v["bind_address"], v["port"]):
+        return
+    unspecified = {"0.0.0.0", "::"}
+    overlap = address == v["bind_address"] or address in unspecified or \
+        v["bind_address"] in unspecified
+    if port != 0 and port == v["port"] and overlap:
+        ctx.add(_join(path, "metricsPort"),
+                f"must differ from port ({port}) on an overlapping address")
+
+
 def _check_config(v: dict[str, Any], path: str, ctx: _Context) -> None:
     peer, membership = v["peer"], v["membership"]
     if not _valid(membership) or not _valid(membership.static):
@@ -702,6 +741,7 @@ _CHECKS: dict[type, Callable[[dict[str, Any], str, _Context], None]] = {
     LeasesConfig: _check_leases,
     PeersConfig: _check_peers_section,
     DiscoveryConfig: _check_discovery,
+    AdminConfig: _check_admin,
     Config: _check_config,
 }
 
@@ -758,6 +798,35 @@ def _descend(document: dict[Any, Any], parents: list[str], dotted: str,
         node[part] = child = dict(child or {})
         node = child
     return node
+
+
+def default_text(dotted: str) -> str | None:
+    """The default of the setting at YAML path ``dotted`` (``admin.bindAddress``) as a
+    flag would write it (``127.0.0.1``, ``5s``, a comma-separated list), for ``--help``
+    (read from the schema, so help never contradicts it); None when there is none to
+    show: required, derived from another setting, unset or empty."""
+    cls: type = Config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        cls = _schema_field(cls, part).metadata["parse"].cls
+    found = _schema_field(cls, leaf)
+    value = found.default
+    if "derive" in found.metadata or value is dataclasses.MISSING or value in (None, ()):
+        return None
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if getattr(found.metadata["parse"], "duration", False):
+        return format_duration(value)
+    return str(value)
+
+
+def _schema_field(cls: type, key: str) -> dataclasses.Field[Any]:
+    for candidate in dataclasses.fields(cls):
+        if candidate.metadata["key"] == key:
+            return candidate
+    raise KeyError(f"{cls.__name__} has no key {key!r}")
 
 
 def _check_header(document: dict[Any, Any], ctx: _Context) -> None:

@@ -2,9 +2,11 @@
 
 For each ``Exchange``: who the downstream is (computed once per connection by the
 listener), what the request is (``requestinfo``), where it goes (``routing``,
-reading one cache view), then move the bytes (``forwarding``) or answer from the
-cache (``discoveryhandler``). Failures to reach an upstream become Kubernetes
-``Status`` answers here; anything unexpected becomes one in the listener.
+reading one cache view; both paths, ``handle_now`` and ``handle``, tell it
+``has_credentials``, so a request without credentials never reaches a peer), then
+move the bytes (``forwarding``) or answer from the cache (``discoveryhandler``).
+Failures to reach an upstream become Kubernetes ``Status`` answers here; anything
+unexpected becomes one in the listener.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamError
 from mvproxy.forwarding import ForwardError, HeadFailure
-from mvproxy.identity import REFUSED, Downstream, is_peer_proxied
+from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
 from mvproxy.listener import Exchange
 from mvproxy.logs import V, kv, throttled
@@ -79,6 +81,7 @@ class Proxy:
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
+                                  credentials=has_credentials(downstream, exchange.raw),
                                   rng=self.rng)
         if decision.route == routing.PEER:
             return self._peer_now(exchange, info, decision.peers, long_running)
@@ -213,6 +216,7 @@ class Proxy:
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
+                                  credentials=has_credentials(downstream, exchange.raw),
                                   rng=self.rng)
         if log.isEnabledFor(V(4)):
             log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,

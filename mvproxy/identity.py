@@ -18,6 +18,11 @@ certificate with several CNs is refused outright: OpenSSL-based tools show the
 first, Go uses the last, and a peer check that read one while the backend read the
 other would let ``/CN=front-proxy-client/CN=alice`` pass as either.
 
+Whether a request has **credentials** at all (``has_credentials``: a peer, a
+certificate user, or a token) decides whether routing may send it to a peer: one
+without is answered by the backend, so it cannot learn what only peers serve
+(``routing``'s docstring).
+
 Identity headers from a non-peer are removed before forwarding: otherwise any
 client could claim to be ``system:masters``. ``Impersonate-*`` headers stay: the
 backend authorizes impersonation itself.
@@ -40,7 +45,7 @@ from cryptography import x509
 from mvproxy import tls
 from mvproxy.errors import PKIError
 from mvproxy.logs import throttled
-from mvproxy.wire import PEER_PROXIED
+from mvproxy.wire import PEER_PROXIED, RawFields, connection_tokens
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +162,36 @@ class IdentityResolver:
 def is_peer_proxied(downstream: Downstream, headers: Mapping[str, str]) -> bool:
     """Routing rule 1: a peer already chose this server; serve it locally."""
     return downstream.is_peer and headers.get(PEER_PROXIED, "").lower() == "true"
+
+
+AUTHORIZATION = b"authorization"
+WEBSOCKET_PROTOCOL = b"sec-websocket-protocol"
+WEBSOCKET_BEARER = b"base64url.bearer.authorization.k8s.io."
+"""kube-apiserver's bearer token in a WebSocket subprotocol (browsers cannot set
+``Authorization`` on a WebSocket), as its ``websocket`` authenticator reads it."""
+
+
+def has_credentials(downstream: Downstream, raw: RawFields) -> bool:
+    """Whether an API server could authenticate this request as someone: the
+    connection is a peer's or a certificate user's, or the request carries a token (a
+    non-empty ``Authorization``, bearer or basic, or kube's WebSocket bearer
+    subprotocol), valid or not: mvproxy cannot judge a token. An ``Authorization``
+    that ``Connection`` names does not count: forwarding drops it, so the upstream
+    would see an anonymous request. Pure, on the raw fields (the hot path)."""
+    if downstream.kind in (PEER, USER):
+        return True
+    token = False
+    for name, value in raw:
+        first = name[:1]
+        if first in (b"a", b"A") and name.lower() == AUTHORIZATION:
+            token = token or bool(value.strip(b" \t"))
+        elif (first in (b"s", b"S") and name.lower() == WEBSOCKET_PROTOCOL
+              and WEBSOCKET_BEARER in value):
+            return True
+    if not token:
+        return False
+    return not any(name.lower() == b"connection" and AUTHORIZATION in connection_tokens(value)
+                   for name, value in raw)
 
 
 def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:

@@ -21,6 +21,25 @@ the cost does not grow with the number of resources.
    tried, the rest are failover); capable peers that are all unreachable -> 503;
    nobody serves it -> backend, whose 404 is then genuine.
 6. Anything else -> backend.
+
+**Without credentials** (``credentials=False``: the downstream is neither a peer nor
+a certificate user and sent no ``Authorization``), what only peers serve is never
+forwarded to a peer nor answered 503 (rules 4 and 5): it goes to the backend, whose
+answer under its own anonymous policy (401, 403 or 404) is exactly what it gives for
+something nobody serves. Upstream kube-apiserver authorizes before it proxies to a
+peer; mvproxy cannot, so otherwise the peer hop's extra time, or the 503 naming
+unreachable peers, would tell an anonymous client which group/versions and resources
+only peers serve, which merged discovery refuses to show it. ``GET /apis/<g>``, ``/api``,
+``/apis`` and the ``/openapi/v3`` index are unchanged: their handlers ask the backend
+the same request with the client's credentials first and relay its refusal.
+
+A request with a token, valid or not, still goes to peers: mvproxy does not
+authenticate tokens (the backend, or the peer's backend, does), so it cannot tell a
+junk token from a real one. An invalid token therefore remains an oracle, if a weaker
+one: the refusal is the same 401 from any server, but the peer hop's timing, and the
+503 when every capable peer is down, still differ, and anyone can send a junk token.
+It costs the prober a failed authentication in the peer's backend (audited there when
+auditing is on). Closing it needs mvproxy to ask its backend about the token first.
 """
 
 from __future__ import annotations
@@ -52,6 +71,9 @@ TO_OPENAPI_INDEX = Decision(OPENAPI_INDEX, "openapi index")
 TO_BACKEND_UNSYNCED = Decision(BACKEND, "not synced")
 TO_BACKEND_LOCAL = Decision(BACKEND, "served locally")
 TO_BACKEND_NOBODY = Decision(BACKEND, "served by nobody")
+TO_BACKEND_NO_CREDENTIALS = Decision(BACKEND, "no credentials")
+"""Only peers serve it, and the client sent no credentials: answered as by a server
+that does not serve it (see the module docstring)."""
 TO_BACKEND_OTHER = Decision(BACKEND, "not an API request")
 
 _DISCOVERY_PATHS = frozenset(("/api", "/api/", "/apis", "/apis/"))
@@ -59,9 +81,13 @@ _OPENAPI_INDEX_PATHS = frozenset(("/openapi/v3", "/openapi/v3/"))
 _OPENAPI_V3 = ("openapi", "v3", "apis")
 
 
-def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
+def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credentials: bool,
            rng: random.Random | None = None) -> Decision:
-    """The route for one request (see the module docstring for the order)."""
+    """The route for one request (see the module docstring for the order).
+
+    ``credentials``: the downstream is a peer or a certificate user, or the request
+    carries ``Authorization`` (``identity.has_credentials``); without, nothing goes to
+    a peer. Required, so that no caller forgets what an anonymous client may learn."""
     if info.path in _DISCOVERY_PATHS and info.verb in ("get", "head"):
         return TO_DISCOVERY
     if peer_proxied:
@@ -76,14 +102,14 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool,
             return TO_BACKEND_LOCAL
         capable = view.capable_peers(info.api_group, info.api_version, info.resource,
                                      info.subresource)
-        return _among(capable, view, rng)
+        return _among(capable, view, credentials, rng)
     if is_group_discovery(info):
         known = info.api_group in view.local_groups or view.capable_group_peers(info.api_group)
         return TO_GROUP_DISCOVERY if known else TO_BACKEND_NOBODY
     group_version = group_version_path(info)
     if group_version is None:
         return TO_BACKEND_OTHER
-    return _decide_group_version(*group_version, view, rng)
+    return _decide_group_version(*group_version, view, credentials, rng)
 
 
 def is_group_discovery(info: RequestInfo) -> bool:
@@ -93,7 +119,10 @@ def is_group_discovery(info: RequestInfo) -> bool:
     client, and kube-apiserver's refusal names the verb and the path, so a ``HEAD`` or
     ``/apis/<g>/`` answered from a ``GET /apis/<g>`` probe would refuse differently for
     a group only peers serve than for an unknown one (an anonymous oracle). Those
-    forms take the group/version route instead."""
+    forms take the group/version route instead, where a request without credentials
+    goes to the backend. This form needs no such rule: without credentials the probe
+    gets the backend's own refusal, relayed as is, the same as for an unknown group
+    (which goes to the backend), and no peer is asked."""
     group = info.api_group
     return bool(group) and info.verb == "get" and info.path == f"/apis/{group}"
 
@@ -108,21 +137,25 @@ def group_version_path(info: RequestInfo) -> tuple[str, str] | None:
     return None
 
 
-def _decide_group_version(group: str, version: str, view: CacheView,
+def _decide_group_version(group: str, version: str, view: CacheView, credentials: bool,
                           rng: random.Random | None) -> Decision:
     local = view.backend.snapshot
     if version:
         if local is not None and local.serves_group_version(group, version):
             return TO_BACKEND_LOCAL
-        return _among(view.capable_group_version_peers(group, version), view, rng)
+        return _among(view.capable_group_version_peers(group, version), view, credentials,
+                      rng)
     if local is not None and group in view.local_groups:
         return TO_BACKEND_LOCAL
-    return _among(view.capable_group_peers(group), view, rng)
+    return _among(view.capable_group_peers(group), view, credentials, rng)
 
 
-def _among(capable: tuple[str, ...], view: CacheView, rng: random.Random | None) -> Decision:
+def _among(capable: tuple[str, ...], view: CacheView, credentials: bool,
+           rng: random.Random | None) -> Decision:
     if not capable:
         return TO_BACKEND_NOBODY
+    if not credentials:  # before reachability: an outage must not show either
+        return TO_BACKEND_NO_CREDENTIALS
     reachable = [peer for peer in capable if peer in view.reachable]
     if not reachable:
         return Decision(UNAVAILABLE, "capable peers unreachable", capable)

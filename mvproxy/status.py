@@ -137,8 +137,12 @@ class BadQuery(ValueError):
 
 
 def route_query(query: Mapping[str, str]) -> dict[str, str]:
-    """Validated, normalised ``method``, ``path`` (with any query) and ``peerProxied``
-    of ``/debug/mvproxy/route``; raises BadQuery."""
+    """Validated, normalised ``method``, ``path`` (with any query), ``peerProxied`` and
+    ``credentials`` of ``/debug/mvproxy/route``; raises BadQuery.
+
+    ``credentials`` defaults to true (the explainer answers for a client that has
+    some, as an operator's kubectl does); ``credentials=false`` asks for a request
+    without any, which never goes to a peer (``routing``)."""
     method = query.get("method", "GET").upper()
     if not method or len(method) > MAX_METHOD or not method.isascii() or not method.isalpha():
         raise BadQuery(f"method must be 1 to {MAX_METHOD} ASCII letters")
@@ -151,10 +155,12 @@ def route_query(query: Mapping[str, str]) -> dict[str, str]:
         raise BadQuery("path must start with /")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in path):
         raise BadQuery("path must not hold control characters")
-    proxied = query.get("peerProxied", "false").lower()
-    if proxied not in ("true", "false"):
-        raise BadQuery("peerProxied must be true or false")
-    return {"method": method, "path": path, "peerProxied": proxied}
+    flags = {}
+    for name, default in (("peerProxied", "false"), ("credentials", "true")):
+        flags[name] = query.get(name, default).lower()
+        if flags[name] not in ("true", "false"):
+            raise BadQuery(f"{name} must be true or false")
+    return {"method": method, "path": path, **flags}
 
 
 def explain_route(view: CacheView, query: Mapping[str, str]) -> dict:
@@ -165,15 +171,17 @@ def explain_route(view: CacheView, query: Mapping[str, str]) -> dict:
     wanted = route_query(query)
     path, _, raw_query = wanted["path"].partition("?")
     info = parse_request_info(wanted["method"], path, raw_query)
+    proxied = wanted["peerProxied"] == "true"
+    credentials = proxied or wanted["credentials"] == "true"  # a peer always has some
     # A fixed shuffle: the explainer lists candidates; each real request draws its own order.
-    decision = decide(info, view, peer_proxied=wanted["peerProxied"] == "true",
+    decision = decide(info, view, peer_proxied=proxied, credentials=credentials,
                       rng=random.Random(0))
     capable: tuple[str, ...] = ()
     if info.is_resource_request:
         capable = view.capable_peers(info.api_group, info.api_version, info.resource,
                                      info.subresource)
     return {"request": {"method": wanted["method"], "path": path, "query": raw_query,
-                        "peerProxied": wanted["peerProxied"] == "true"},
+                        "peerProxied": proxied, "credentials": credentials},
             "route": decision.route, "reason": decision.reason,
             "candidatePeers": sorted(decision.peers),
             "capablePeers": sorted(capable or decision.peers),

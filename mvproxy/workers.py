@@ -49,7 +49,13 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from mvproxy.admin import admin_app, health_response, json_response, page_response
+from mvproxy.admin import (
+    admin_app,
+    health_response,
+    json_response,
+    metrics_app,
+    page_response,
+)
 from mvproxy.config import Config
 from mvproxy.errors import UsageError
 from mvproxy.logs import kv
@@ -246,11 +252,14 @@ class Supervisor:
 
     # ---------------------------------------------------------------- admin listener
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """``/metrics``: the workers' added up, and the supervisor's own."""
+        texts = await asyncio.gather(*(self.metrics_text(w) for w in self.workers))
+        body = self.merger.merge(texts) + generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     def admin_app(self) -> web.Application:
-        async def metrics(request: web.Request) -> web.Response:
-            texts = await asyncio.gather(*(self.metrics_text(w) for w in self.workers))
-            body = self.merger.merge(texts) + generate_latest(self.registry)
-            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        metrics = self.metrics
 
         async def livez(request: web.Request) -> web.Response:
             return health_response(request, request.path.strip("/"), [("ping", True, "")])
@@ -312,7 +321,8 @@ class Supervisor:
             return page_response(document)
 
         return admin_app(page=page, peers=peers, route=route, metrics=metrics,
-                         livez=livez, readyz=readyz, debug=debug)
+                         livez=livez, readyz=readyz, debug=debug,
+                         allowed_hosts=self.config.admin.allowed_hosts)
 
 
 async def _connect_abstract(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -364,14 +374,22 @@ async def supervise(cfg: Config, config_path: str | None, overrides: dict[str, o
         loop.add_signal_handler(sig, supervisor.stop.set)
     loop.add_signal_handler(signal.SIGHUP, supervisor.reload)
     runner = web.AppRunner(supervisor.admin_app(), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.admin.bind_address, cfg.admin.port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise UsageError(f"cannot listen on {cfg.admin.bind_address}:{cfg.admin.port}: "
-                         f"{exc.strerror or exc}") from None
+    runners = [runner]
+    listen = [(runner, cfg.admin.bind_address, cfg.admin.port)]
+    if cfg.admin.metrics_bind_address is not None:
+        metrics_only = web.AppRunner(metrics_app(supervisor.metrics,
+                                                 allowed_hosts=cfg.admin.allowed_hosts),
+                                     access_log=None, handle_signals=False)
+        runners.append(metrics_only)
+        listen.append((metrics_only, cfg.admin.metrics_bind_address, cfg.admin.metrics_port))
+    for serving, host, port in listen:
+        await serving.setup()
+        try:
+            await web.TCPSite(serving, host, port).start()
+        except OSError as exc:
+            for started in runners:
+                await started.cleanup()
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     tasks = [asyncio.create_task(supervisor.keep_running(w), name=f"mvproxy-worker-{w.index}")
              for w in supervisor.workers]
     log.info("supervising workers", extra=kv(server_id=cfg.server_id, workers=cfg.workers,
@@ -390,5 +408,6 @@ async def supervise(cfg: Config, config_path: str | None, overrides: dict[str, o
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.kill()
                 await worker.process.wait()
-        await runner.cleanup()
+        for serving in runners:
+            await serving.cleanup()
     return supervisor.exit_code

@@ -88,6 +88,33 @@ def test_flags_override_the_file_and_are_validated(tmp_path, cluster_pki):
     assert "discovery.pollInterval:" in result.stderr
 
 
+def test_admin_listener_settings_are_validated_by_path(tmp_path, cluster_pki):
+    config = write_config(tmp_path / "c.yaml", cluster_pki,
+                          "admin: {allowedHosts: [ok.example, 'evil.example:80'],"
+                          " metricsPort: 9443, metricsBindAddress: 127.0.0.1}\n")
+    result = mvproxy_cmd("check-config", str(config), "--admin-metrics-bind-address", "nope")
+    assert_clean_failure(result)
+    assert "admin.allowedHosts[1]: must be a DNS name" in result.stderr
+    assert "admin.metricsBindAddress: must be an IP address, got 'nope'" in result.stderr
+
+
+def test_run_help_shows_every_default_the_schema_has():
+    """``run --help`` said nothing of where the admin listener binds by default; every
+    flag whose setting has a default now shows it, read from the schema."""
+    result = mvproxy_cmd("run", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for flag, default in (("--admin-bind-address", "127.0.0.1"), ("--admin-port", "9443"),
+                          ("--admin-metrics-port", "9444"), ("--bind-address", "0.0.0.0"),
+                          ("--secure-port", "6443"), ("--discovery-poll-interval", "5s"),
+                          ("--workers", "1"), ("--v", "2"), ("--log-format", "text")):
+        start = text.index(f" {flag} ", text.index("options:"))
+        following = text[start + 1:]
+        end = following.find(" --", 1)
+        assert f"(default {default})" in following[:end if end > 0 else None], (flag, text)
+    assert "--admin-metrics-bind-address VALUE IP address of a second listener" in text
+
+
 def test_a_key_that_does_not_match_its_certificate_names_both_files(tmp_path, cluster_pki):
     config = write_config(tmp_path / "c.yaml", cluster_pki)
     wrong_key = cluster_pki / "apiserver-b" / "front-proxy-client.key"

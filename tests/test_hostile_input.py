@@ -180,12 +180,17 @@ def test_what_check_request_accepts_llhttp_accepts(values):
 @given(method=st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS",
                                "get", "BREW", ""]),
        path=st.one_of(path_like, text), query=st.one_of(text, path_like),
-       view=st.sampled_from(sorted(VIEWS)), peer_proxied=st.booleans())
-def test_request_info_and_routing_never_raise(method, path, query, view, peer_proxied):
+       view=st.sampled_from(sorted(VIEWS)), peer_proxied=st.booleans(),
+       credentials=st.booleans())
+def test_request_info_and_routing_never_raise(method, path, query, view, peer_proxied,
+                                              credentials):
     info = parse_request_info(method, path, query)
-    decision = routing.decide(info, VIEWS[view], peer_proxied=peer_proxied)
+    decision = routing.decide(info, VIEWS[view], peer_proxied=peer_proxied,
+                              credentials=credentials)
     assert decision.route in (routing.BACKEND, routing.PEER, routing.DISCOVERY,
                               routing.UNAVAILABLE, routing.OPENAPI_INDEX)
+    if not credentials and not peer_proxied:  # peers' hops always carry credentials
+        assert decision.route not in (routing.PEER, routing.UNAVAILABLE), decision
 
 
 @PURE

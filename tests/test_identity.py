@@ -32,6 +32,7 @@ from mvproxy.identity import (
     USER,
     Downstream,
     IdentityResolver,
+    has_credentials,
     identity_headers,
     is_peer_proxied,
 )
@@ -270,3 +271,40 @@ def test_identity_headers():
 def test_constants_match_upstream_names():
     assert identity.PEER_PROXIED == "x-kubernetes-peer-proxied"
     assert (identity.REMOTE_USER, identity.REMOTE_GROUP) == ("X-Remote-User", "X-Remote-Group")
+
+
+# --------------------------------------------------------------------------- credentials
+
+BEARER_PROTOCOL = b"base64url.bearer.authorization.k8s.io.dG9rZW4, v5.channel.k8s.io"
+
+
+@pytest.mark.parametrize("downstream, raw, expected", [
+    (PEER_DS, [], True),
+    (USER_DS, [], True),
+    (ANONYMOUS_DOWNSTREAM, [], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Accept", b"application/json")], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer t0ken")], True),
+    (ANONYMOUS_DOWNSTREAM, [(b"authorization", b"Bearer junk")], True),
+    (ANONYMOUS_DOWNSTREAM, [(b"AUTHORIZATION", b"Basic YTpi")], True),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"")], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b" \t")], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b""), (b"Authorization", b"Bearer x")], True),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer x"),
+                            (b"Connection", b"keep-alive, Authorization")], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", BEARER_PROTOCOL)], True),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", b"v5.channel.k8s.io")], False),
+    (ANONYMOUS_DOWNSTREAM, [(b"X-Authorization", b"Bearer x"),
+                            (b"Impersonate-User", b"system:admin"),
+                            (b"X-Remote-User", b"system:admin")], False),
+], ids=[
+    "peer", "certificate user", "nothing", "other headers only", "bearer token",
+    "junk token (mvproxy cannot judge it)", "basic, any case", "empty Authorization",
+    "blank Authorization", "a second, non-empty Authorization",
+    "Authorization named in Connection (forwarding drops it)",
+    "bearer token as a WebSocket subprotocol", "WebSocket subprotocol without a token",
+    "look-alikes and claims are not credentials",
+])
+def test_has_credentials(downstream, raw, expected):
+    """Without credentials routing never sends a request to a peer: only what an API
+    server could authenticate counts, and a token counts whether or not it is valid."""
+    assert has_credentials(downstream, raw) is expected

@@ -14,13 +14,18 @@ import re
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 from daemon_support import PODGROUPS, cluster, ready
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from scripts_support import debian_tool, script
+from sidecar_support import NODE_NAME, SIDECAR, config_argv, dev_config, resolve
 
+from mvproxy.cli import build_parser, config_overrides
+from mvproxy.configfile import load_config
+from mvproxy.devpki import init_pki
 from mvproxy.workers import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,8 +129,8 @@ def test_scrape_configs_pass_promtool_check(promtool: str, tmp_path: Path) -> No
     (sd,) = job.pop("kubernetes_sd_configs")
     assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["kube-system"]
     keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
-    assert keep and keep[0]["regex"] == "mvproxy;admin"
-    job["static_configs"] = [{"targets": ["192.0.2.1:9443"]}]
+    assert keep and keep[0]["regex"] == "mvproxy;metrics"
+    job["static_configs"] = [{"targets": ["192.0.2.1:9444"]}]
     (tmp_path / "pod-role.yaml").write_text(yaml.safe_dump(config))
     run_promtool(promtool, "check", "config", "pod-role.yaml", cwd=tmp_path)
 
@@ -150,9 +155,45 @@ def test_servicemonitor_finds_the_service_and_its_port() -> None:
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert ports[endpoint["port"]]["port"] == 9443 and endpoint["path"] == "/metrics"
+    assert ports[endpoint["port"]]["port"] == 9444 and endpoint["path"] == "/metrics"
+    assert ports[endpoint["port"]]["targetPort"] == 9444  # the metrics listener, not admin
     # kubeadm's labels on the kube-apiserver static pod, which mvproxy shares.
     assert service["spec"]["selector"] == {"component": "kube-apiserver", "tier": "control-plane"}
+
+
+RECIPE = re.compile(r"^#\s+(args|ports):\s+- (.+)$", re.MULTILINE)
+"""The lines the ServiceMonitor's comment says to add to the mvproxy container."""
+
+
+def test_the_servicemonitor_recipe_keeps_the_admin_listener_on_loopback(tmp_path) -> None:
+    """Issue 19: the recipe bound the admin listener, debug endpoints and status page
+    included, to the node IP. Its two lines, added to config/kube-apiserver-sidecar.yaml,
+    now give a pod that validates, /metrics alone on <node IP>:9444 (the Service's
+    targetPort and the scrape job's port), and the admin listener on 127.0.0.1:9443."""
+    recipe = dict(RECIPE.findall((PROM / "mvproxy-servicemonitor.yaml").read_text()))
+    assert set(recipe) == {"args", "ports"}, recipe
+    assert recipe["args"] in (PROM / "scrape-config.yaml").read_text()
+    pod = yaml.safe_load(SIDECAR.read_text())
+    mv = next(c for c in pod["spec"]["containers"] if c["name"] == "mvproxy")
+    mv["args"].append(recipe["args"])
+    mv["ports"].append(yaml.safe_load(recipe["ports"]))
+    for version in ("1.35", "1.36"):
+        kubernetes_validate.validate(pod, version, strict=True)
+    node_ip = "127.0.0.5"
+    pki = tmp_path / "pki"
+    init_pki(pki, [NODE_NAME], hosts=[node_ip], days=2)
+    argv = resolve(mv["args"], mv["env"], {"status.hostIP": node_ip, "spec.nodeName": NODE_NAME})
+    args = build_parser().parse_args(["run", *config_argv(argv[1:], dev_config(tmp_path, pki))])
+    cfg = load_config(args.config, config_overrides(args))
+    assert (cfg.admin.bind_address, cfg.admin.port) == ("127.0.0.1", 9443)
+    assert (cfg.admin.metrics_bind_address, cfg.admin.metrics_port) == (node_ip, 9444)
+    service, _ = yaml.safe_load_all((PROM / "mvproxy-servicemonitor.yaml").read_text())
+    declared = {p["name"]: p["containerPort"] for p in mv["ports"]}
+    (scraped,) = service["spec"]["ports"]
+    assert declared[scraped["name"]] == scraped["targetPort"] == cfg.admin.metrics_port
+    (job,) = yaml.safe_load((PROM / "scrape-config.yaml").read_text())["scrape_configs"]
+    keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
+    assert re.fullmatch(keep["regex"], f"{mv['name']};{scraped['name']}")
 
 
 # --------------------------------------------------------------- dashboard

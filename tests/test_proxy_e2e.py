@@ -384,6 +384,62 @@ def test_anonymous_requests_stay_anonymous(cluster: DemoCluster) -> None:
         assert proxied.json()["reason"] == direct.json()["reason"]
 
 
+ANON_NS = "anonymous-probe"  # in no other test's request: its audit lines are these tests'.
+# A resource and a group version; the query only makes the audited URI this test's own.
+PEER_ONLY_PATHS = (f"{PODGROUPS}/namespaces/{ANON_NS}/podgroups", f"{PODGROUPS}?probe={ANON_NS}")
+NOBODY_PATH = f"/apis/nothing.example.com/v1/namespaces/{ANON_NS}/widgets"
+
+
+def _same_answer(answer, expected) -> None:
+    """Indistinguishable to the client: status, content type and body."""
+    assert (answer.status, answer.headers["Content-Type"], answer.body) == (
+        expected.status, expected.headers["Content-Type"], expected.body), (answer, expected)
+
+
+def _never_reached(cluster: DemoCluster, sid: str, path: str) -> None:
+    """``sid``'s kube-apiserver audits every request it receives, refused ones too (it
+    writes the line before answering, so a forwarded request would already be there)."""
+    seen = [e for e in audit_entries(_audit(cluster, sid)) if e.get("requestURI") == path]
+    assert not seen, seen
+
+
+def test_without_credentials_peer_only_apis_look_like_unknown_ones(cluster: DemoCluster) -> None:
+    """Issue 19: an anonymous request for what only the 1.36 server serves was forwarded
+    to it (a slower 401: which group/version/resources peers serve, which merged
+    discovery hides from anonymous clients). Now the 1.35 server's own backend answers
+    it, with exactly its answer for an API nobody serves, and the peer's kube-apiserver
+    never sees it; a token user still reaches the peer."""
+    expected = request(cluster, OLD, "GET", NOBODY_PATH, cert=None)
+    assert expected.status == 401 and expected.json()["kind"] == "Status", expected
+    for path in PEER_ONLY_PATHS:
+        for _ in range(3):  # a pooled connection lets the callback path answer too
+            _same_answer(request(cluster, OLD, "GET", path, cert=None), expected)
+        wait_for_audit(_audit(cluster, OLD), lambda e, p=path: e.get("requestURI") == p
+                       and e["responseStatus"]["code"] == 401 and e["peerProxied"] is None)
+        _never_reached(cluster, NEW, path)
+    viewer = request(cluster, OLD, "GET", PEER_ONLY_PATHS[0], cert=None,
+                     token=cluster.tokens["viewer-token"])
+    assert viewer.status == 200, viewer
+    entry = wait_for_audit(_audit(cluster, NEW), uri_startswith(PEER_ONLY_PATHS[0]))
+    assert (entry["user"]["username"], entry["peerProxied"]) == (VIEWER_USER, "true")
+
+
+def test_without_credentials_an_unreachable_peer_is_no_503(cluster: DemoCluster) -> None:
+    """The 503 "served only by peers that are unreachable" told an anonymous client what
+    peers serve; it now gets the backend's answer for an unknown API, while a token
+    user still gets the 503 (mvproxy cannot tell a valid token from a junk one)."""
+    expected = request(cluster, OLD, "GET", NOBODY_PATH, cert=None)
+    cluster.stop_server(NEW)
+    try:
+        wait_peer_unreachable(cluster, OLD, NEW)
+        for path in PEER_ONLY_PATHS:
+            _same_answer(request(cluster, OLD, "GET", path, cert=None), expected)
+        _assert_503(request(cluster, OLD, "GET", PEER_ONLY_PATHS[0], cert=None,
+                            token=cluster.tokens["viewer-token"]))
+    finally:
+        cluster.start_server(NEW)
+
+
 # --------------------------------------------------------------------------- peer outages
 
 

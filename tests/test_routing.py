@@ -138,9 +138,12 @@ def test_views_are_what_their_names_say():
 # --------------------------------------------------------------------------- the table
 
 def row(rule: str, view: str, method: str, path: str, route: str, peers=(), *,
-        query: str = "", peer_proxied: bool = False, reason: str | None = None):
-    return pytest.param(view, method, path, query, peer_proxied, route, tuple(peers), reason,
-                        id=rule)
+        query: str = "", peer_proxied: bool = False, credentials: bool = True,
+        reason: str | None = None):
+    """``credentials``: the downstream is a peer or a certificate user, or sent
+    ``Authorization`` (every row but the "no credentials" ones)."""
+    return pytest.param(view, method, path, query, peer_proxied, credentials, route,
+                        tuple(peers), reason, id=rule)
 
 
 TABLE = [
@@ -290,16 +293,66 @@ TABLE = [
         BACKEND, peer_proxied=True),
     row("/openapi/v3/api/v1 goes to the backend", "upgrade", "GET", "/openapi/v3/api/v1",
         BACKEND),
+    # Without credentials (no peer, no certificate user, no Authorization): never a peer
+    # and never a 503, but what a server that does not serve it answers (the backend's
+    # 401/403/404), so an anonymous client cannot learn what only peers serve.
+    row("no credentials: a peer-only resource goes to the backend", "upgrade", "GET",
+        PODGROUPS, BACKEND, credentials=False, reason="no credentials"),
+    row("no credentials: a create of a peer-only resource goes to the backend", "upgrade",
+        "POST", PODGROUPS, BACKEND, credentials=False, reason="no credentials"),
+    row("no credentials: a watch of a peer-only resource goes to the backend", "upgrade",
+        "GET", PODGROUPS, BACKEND, query="watch=1", credentials=False, reason="no credentials"),
+    row("no credentials: unreachable capable peers are not a 503", "upgrade, peer down", "GET",
+        PODGROUPS, BACKEND, credentials=False, reason="no credentials"),
+    row("no credentials: every capable peer down is not a 503 either",
+        "two new peers, both down", "GET", PODGROUPS, BACKEND, credentials=False),
+    row("no credentials: a subresource only a peer has goes to the backend", "resize on peer",
+        "PATCH", "/api/v1/namespaces/ns/pods/web/resize", BACKEND, credentials=False,
+        reason="no credentials"),
+    row("no credentials: a resource of a peer-only group goes to the backend", "group on peer",
+        "GET", "/apis/widgets.example.com/v1/widgets", BACKEND, credentials=False),
+    row("no credentials: /apis/<g>/<v> of a peer-only version goes to the backend", "upgrade",
+        "GET", f"{SCHED}/v1alpha2", BACKEND, credentials=False, reason="no credentials"),
+    row("no credentials: /apis/<g>/<v> of an unreachable peer-only version is not a 503",
+        "upgrade, peer down", "GET", f"{SCHED}/v1alpha2", BACKEND, credentials=False,
+        reason="no credentials"),
+    row("no credentials: /openapi/v3/apis/<g>/<v> of a peer-only version goes to the backend",
+        "upgrade", "GET", f"/openapi/v3{SCHED}/v1alpha2", BACKEND, credentials=False,
+        reason="no credentials"),
+    row("no credentials: HEAD /apis/<g> of a peer-only group goes to the backend",
+        "group on peer", "HEAD", "/apis/widgets.example.com", BACKEND, credentials=False,
+        reason="no credentials"),
+    row("no credentials: /apis/<g>/ of an unreachable peer-only group is not a 503",
+        "group on peer, down", "GET", "/apis/widgets.example.com/", BACKEND,
+        credentials=False, reason="no credentials"),
+    # Unchanged without credentials: the discovery handler asks the backend the same
+    # request with the client's (lack of) credentials first and relays its refusal.
+    row("no credentials: GET /apis/<g> of a peer-only group is still group discovery",
+        "group on peer", "GET", "/apis/widgets.example.com", DISCOVERY, credentials=False,
+        reason="group discovery"),
+    row("no credentials: /apis is still discovery", "upgrade", "GET", "/apis", DISCOVERY,
+        credentials=False),
+    row("no credentials: the /openapi/v3 index is still merged (from the backend's answer)",
+        "upgrade", "GET", "/openapi/v3", OPENAPI_INDEX, credentials=False),
+    row("no credentials: a resource the backend serves stays local", "upgrade", "GET",
+        "/api/v1/namespaces/ns/pods", BACKEND, credentials=False, reason="served locally"),
+    row("no credentials: nobody serves it, still the backend's genuine 404", "upgrade", "GET",
+        "/apis/example.com/v1/namespaces/ns/nothings", BACKEND, credentials=False,
+        reason="served by nobody"),
+    row("no credentials: before the first sync the backend, as for everyone",
+        "peer not polled yet", "GET", PODGROUPS, BACKEND, credentials=False,
+        reason="not synced"),
 ]
 
 
 @pytest.mark.parametrize(
-    "view, method, path, query, peer_proxied, route, peers, reason", TABLE)
-def test_decision(view, method, path, query, peer_proxied, route, peers, reason):
+    "view, method, path, query, peer_proxied, credentials, route, peers, reason", TABLE)
+def test_decision(view, method, path, query, peer_proxied, credentials, route, peers, reason):
     """The table; ``/apis/<g>`` rows differ from upstream, which serves it locally
     (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/group.go)."""
     info = parse_request_info(method, path, query)
-    decision = decide(info, VIEWS[view], peer_proxied=peer_proxied, rng=random.Random(0))
+    decision = decide(info, VIEWS[view], peer_proxied=peer_proxied, credentials=credentials,
+                      rng=random.Random(0))
     assert (decision.route, decision.peers) == (route, peers), decision
     if reason is not None:
         assert decision.reason == reason
@@ -317,7 +370,8 @@ def test_two_capable_peers_are_tried_in_both_orders():
     view = VIEWS["two new peers"]
     info = parse_request_info("GET", PODGROUPS)
     rng = random.Random(1234)
-    orders = {decide(info, view, peer_proxied=False, rng=rng).peers for _ in range(200)}
+    orders = {decide(info, view, peer_proxied=False, credentials=True, rng=rng).peers
+              for _ in range(200)}
     assert orders == {(B, C), (C, B)}
 
 
@@ -326,20 +380,21 @@ def test_an_unreachable_peer_never_appears():
     info = parse_request_info("GET", PODGROUPS)
     rng = random.Random(1234)
     for _ in range(200):
-        assert decide(info, view, peer_proxied=False, rng=rng).peers == (B,)
+        assert decide(info, view, peer_proxied=False, credentials=True, rng=rng).peers == (B,)
 
 
 def test_without_an_rng_the_module_random_is_used():
     view = VIEWS["two new peers"]
-    decision = decide(parse_request_info("GET", PODGROUPS), view, peer_proxied=False)
+    decision = decide(parse_request_info("GET", PODGROUPS), view, peer_proxied=False,
+                      credentials=True)
     assert decision.route == PEER and sorted(decision.peers) == [B, C]
 
 
 def test_same_seed_same_order():
     view = VIEWS["two new peers"]
     info = parse_request_info("GET", PODGROUPS)
-    first = [decide(info, view, peer_proxied=False, rng=random.Random(7)).peers
-             for _ in range(3)]
+    first = [decide(info, view, peer_proxied=False, credentials=True,
+                    rng=random.Random(7)).peers for _ in range(3)]
     assert len(set(first)) == 1
 
 
@@ -378,7 +433,8 @@ def _unwalkable(snapshot: Snapshot) -> Snapshot:
     ("GET", SCHED), ("GET", f"/openapi/v3{SCHED}/v1alpha2"), ("GET", "/apis/x.example/v1/ys"),
     ("PATCH", "/api/v1/namespaces/ns/pods/web/status"),
 ])
-def test_decide_only_probes_indexes(method, path):
+@pytest.mark.parametrize("credentials", [True, False], ids=["credentials", "none"])
+def test_decide_only_probes_indexes(method, path, credentials):
     """Every lookup is a set/dict probe: nothing is walked per request."""
     view = VIEWS["two new peers"]
     backend = dataclasses.replace(view.backend, snapshot=_unwalkable(view.backend.snapshot))
@@ -389,7 +445,7 @@ def test_decide_only_probes_indexes(method, path):
         capable_gv=NoIterMap(view.capable_gv), capable_group=NoIterMap(view.capable_group),
         local_groups=NoIterSet(view.local_groups))
     expected = decide(parse_request_info(method, path), view, peer_proxied=False,
-                      rng=random.Random(0))
+                      credentials=credentials, rng=random.Random(0))
     got = decide(parse_request_info(method, path), probed, peer_proxied=False,
-                 rng=random.Random(0))
+                 credentials=credentials, rng=random.Random(0))
     assert got == expected

@@ -77,7 +77,7 @@ def admin_routes() -> set[str]:
         raise AssertionError
 
     app = admin_app(page=handler, peers=handler, route=handler, metrics=handler,
-                    livez=handler, readyz=handler, debug=handler)
+                    livez=handler, readyz=handler, debug=handler, allowed_hosts=())
     routes = {r.resource.canonical for r in app.router.routes()}
     assert {"/", "/metrics", "/readyz"} <= routes
     return routes

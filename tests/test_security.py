@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 from daemon_support import (
+    PEER_ID,
     PODGROUPS,
     Cluster,
     body_of,
@@ -217,6 +218,79 @@ async def test_a_peer_hop_without_an_asserted_user_stays_anonymous(aiohttp_serve
                                                         "X-Remote-User: alice\r\n"), who="peer")
         echoed = body_of(answer)
         assert echoed["server"] == "backend" and echoed["cn"] == "front-proxy-client"
+
+
+# --------------------------------------------------------------------------- what only peers serve
+
+PEER_ONLY = {  # the fake backend is 1.35, the fake peer 1.36
+    "resource": PODGROUPS,
+    "group version": "/apis/scheduling.k8s.io/v1alpha2",
+    "OpenAPI of a group version": "/openapi/v3/apis/scheduling.k8s.io/v1alpha2",
+}
+NOBODY = "/apis/nothing.example.com/v1/namespaces/default/widgets"
+UPGRADE = "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n" \
+          "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+
+
+async def _anonymous(c: Cluster, path: str) -> list[tuple[int, str]]:
+    """(status, answering server) of the same request without credentials, sent the
+    ways that take both handler paths: three on one keep-alive connection (with an
+    idle pooled upstream connection ``handle_now`` answers them) and one upgrade
+    (always ``handle``)."""
+    answers = []
+    for _ in range(3):
+        status, _, body = await c.get(path, who="bearer")
+        answers.append((status, json.loads(body).get("server", "")))
+    raw = await c.raw(request(path, headers=UPGRADE), who="bearer")
+    answers.append((status_of(raw), body_of(raw).get("server", "")))
+    return answers
+
+
+@pytest.mark.parametrize("what", list(PEER_ONLY))
+async def test_without_credentials_what_only_peers_serve_is_answered_by_the_backend(
+        aiohttp_server, root, what):
+    """Issue 19: an anonymous request for what only a peer serves went to the peer (a
+    slower refusal, an oracle for what peers serve). Now the backend answers it exactly
+    as it answers something nobody serves, and the peer sees nothing; a token (even a
+    junk one) or a certificate user still reaches the peer."""
+    path = PEER_ONLY[what]
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        # First with credentials: they reach the peer, and leave pooled connections to it.
+        status, _, body = await c.get(path, who="bearer",
+                                      headers={"Authorization": "Bearer junk"})
+        assert (status, json.loads(body)["server"]) == (200, "peer")
+        status, _, body = await c.get(path, who="admin")
+        assert (status, json.loads(body)["server"]) == (200, "peer")
+        assert c.seen["peer"] == [("GET", path)] * 2
+        nobody = await _anonymous(c, NOBODY)
+        assert nobody == [(200, "backend")] * 4, nobody
+        assert await _anonymous(c, path) == nobody
+        assert c.seen["peer"] == [("GET", path)] * 2  # nothing more
+        assert c.seen["backend"].count(("GET", path)) == 4
+        assert await c.metric("apiserver_rerouted_request_total", code="200",
+                              group="scheduling.k8s.io", version="v1alpha2") == 2
+
+
+async def test_without_credentials_unreachable_peers_are_not_a_503(aiohttp_server, root):
+    """The 503 "served only by peers that are unreachable" names what peers serve: a
+    request without credentials gets the backend's answer instead, while one with a
+    token still gets the 503 (mvproxy cannot tell a junk token from a real one)."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        c.health["discovery"] = False  # the peer's polls fail: unreachable after staleAfter
+
+        async def peer_down() -> bool:
+            return not (await c.debug())["peers"][PEER_ID]["reachable"]
+        await c.until(peer_down, "the peer marked unreachable")
+        for path in PEER_ONLY.values():
+            assert await _anonymous(c, path) == await _anonymous(c, NOBODY), path
+            status, _, _ = await c.get(path, who="bearer",
+                                       headers={"Authorization": "Bearer junk"})
+            assert status == 503
+        assert c.seen["peer"] == []
+        assert await c.metric("apiserver_peer_proxy_errors_total",
+                              type="endpoint_resolution", resource="podgroups") == 1
 
 
 # --------------------------------------------------------------------------- peer trust

@@ -176,6 +176,9 @@ def test_kubernetes_service_reaches_mvproxy_end_to_end(tmp_path, pki):
         assert via_service["metadata"]["uid"] == ep["metadata"]["uid"]
         with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as m:
             assert b"mvproxy" in m.read()
+        # The admin listener (status page, /debug/mvproxy) is not on the node IP.
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{NODE_IP}:{admin}/debug/mvproxy", timeout=10)
     finally:
         stop_all([mvproxy, sim])
     # kube-apiserver withdraws its address on a graceful stop.

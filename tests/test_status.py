@@ -127,6 +127,7 @@ def test_content_security_policy_allows_no_script_and_nothing_remote():
     ({"path": "/api", "method": "GÉT"}, "method must be"),
     ({"path": "/api", "method": ""}, "method must be"),
     ({"path": "/api", "peerProxied": "yes"}, "peerProxied"),
+    ({"path": "/api", "credentials": "none"}, "credentials must be true or false"),
 ])
 def test_route_query_refuses_unusable_input(query, why):
     with pytest.raises(BadQuery, match=why):
@@ -147,6 +148,22 @@ def test_route_explains_local_peer_unavailable_and_nobody():
     assert (nobody["route"], nobody["reason"]) == ("backend", "served by nobody")
     proxied = explain_route(view, {"path": PODGROUPS, "peerProxied": "true"})
     assert (proxied["route"], proxied["reason"]) == ("backend", "peer-proxied")
+
+
+def test_route_explains_a_request_without_credentials():
+    """The explainer assumes credentials (as an operator's kubectl has); asked with
+    ``credentials=false`` it shows that such a request never goes to a peer, while
+    still naming the capable peers for the operator."""
+    view = fed_cache()[0].view()
+    assumed = explain_route(view, {"path": PODGROUPS})
+    assert (assumed["route"], assumed["request"]["credentials"]) == ("peer", True)
+    anonymous = explain_route(view, {"path": PODGROUPS, "credentials": "false"})
+    assert (anonymous["route"], anonymous["reason"]) == ("backend", "no credentials")
+    assert anonymous["request"]["credentials"] is False
+    assert anonymous["capablePeers"] == ["b"] and anonymous["candidatePeers"] == []
+    proxied = explain_route(view, {"path": PODGROUPS, "peerProxied": "true",
+                                   "credentials": "false"})
+    assert proxied["request"]["credentials"] is True  # a peer's hop always has them
 
 
 # --------------------------------------------------------------------------- daemon
