@@ -5,11 +5,16 @@ A connection writes what it is given, remembers when its peer stopped reading
 paused for named reasons, so that one reason's resume never undoes another's pause
 (a body waiting for its consumer, a slow upstream, a pipeline, a tunnel).
 
-Both ends keep what sits in their TLS layer small: asyncio's (and uvloop's) TLS
-transport accepts 512 KiB of application data before it reports ``pause_writing``,
-and reads 256 KiB ahead while its protocol is paused, and OpenSSL's memory buffers
-keep the largest size they ever reached. ``WRITE_HIGH`` and ``READ_HIGH`` bound those,
-so a client that stops reading makes the upstream stop within tens of KiB.
+Both ends keep what sits in their buffers small. Left alone, asyncio's (and uvloop's)
+TLS transport takes 512 KiB of application data before it reports ``pause_writing``,
+its socket side queues 64 KiB more, every socket read brings up to 256 KiB, and
+OpenSSL's memory buffers keep the largest size they ever reached: a client that
+stopped reading pinned 1.5-2 MB. So mvproxy puts the loop's own TLS protocol on TCP
+transports it keeps (``accept_tls``, ``connect_tls``): small write limits on both
+layers (``WRITE_HIGH``), reads capped at one TLS record and smaller while the other leg
+is behind (``READ_CHUNK``, ``READ_CHUNK_BEHIND``), the upstream socket paused itself
+when its downstream stops, and downstream sockets that push back early
+(``NOTSENT_LOWAT``).
 
 When a connection ends, ``_flow_release`` drops its references (transport, waiters):
 its memory then goes by reference counting at once, never waiting for the cyclic
@@ -20,23 +25,155 @@ almost never collected.
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
+import socket
+import ssl
 from collections.abc import Callable
+from typing import cast
 
-WRITE_HIGH = 16 * 1024
+WRITE_HIGH = 4 * 1024
 """Bytes buffered in a TLS transport (application data and records not yet sent) above
 which the writer is told to stop: a stalled reader costs at most about this much in
 the TLS layer, plus the one write that crossed it."""
 WRITE_LOW = WRITE_HIGH // 4
 READ_HIGH = 16 * 1024
 """Encrypted bytes a paused TLS transport reads ahead from its socket."""
+READ_CHUNK = 16 * 1024
+"""The most one read from a socket brings into the TLS layer (asyncio and uvloop read
+up to 256 KiB at a time): one TLS record. Smaller reads split records, which cost
+CPU (measured on a 64 MiB body each way: 8 KiB +35 %, 4 KiB +50 % against 16 KiB; 64
+KiB no better than 16)."""
+READ_CHUNK_BEHIND = 4 * 1024
+"""The most one read brings while whoever the bytes go to is behind (``reads_behind``):
+what arrives after the other leg stopped reading, before the pause takes effect. Each
+KiB read then costs several in the buffers it passes through (measured: 4 KiB here
+gave 143 KiB of RSS per stalled stream, 8 KiB 176, 32 KiB 375), so reads shrink only
+while the other leg is behind: a stream that keeps up reads whole records."""
+NOTSENT_LOWAT = 16 * 1024
+"""``TCP_NOTSENT_LOWAT`` of downstream sockets: the kernel takes at most this much
+that it has not sent yet, so a client that stops reading is noticed (the socket
+pushes back) within 16 KiB, not after the kernel's send buffer (up to MBs) filled;
+upstream reads then shrink (``READ_CHUNK_BEHIND``) before much more arrives."""
 
 
-SOCKET_READ_MAX = 256 * 1024
-"""What one read from a socket may bring (uvloop reads up to 250 kB, asyncio 256 KiB):
-the data that crossed a limit before the pause took effect. A smaller ``SO_RCVBUF``
-upstream would bound it, but windows that small meet delayed ACKs: measured, a 64 MiB
-LIST then slowed until it hit the request timeout."""
+class _Unwrapped(asyncio.Protocol):
+    """A TCP connection before its TLS layer exists: reading pauses at once, and what
+    arrived before that (a client speaks first) is kept for the TLS layer."""
+
+    def __init__(self) -> None:
+        self.early: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.Transport, transport).pause_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.early.append(data)
+
+
+class _CappedReads(asyncio.BufferedProtocol):
+    """Between the TCP transport and the loop's own TLS protocol: reads of at most
+    ``READ_CHUNK``, everything else passed on as it is."""
+
+    __slots__ = ("tls", "behind")
+
+    def __init__(self, tls: asyncio.BufferedProtocol, behind: Callable[[], bool] | None):
+        self.tls = tls
+        self.behind = behind
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.tls.connection_made(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        behind = self.behind
+        limit = READ_CHUNK_BEHIND if behind is not None and behind() else READ_CHUNK
+        return memoryview(self.tls.get_buffer(sizehint))[:limit]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.tls.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return self.tls.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.tls.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.tls.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.tls.resume_writing()
+
+
+async def accept_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     protocol: asyncio.Protocol, context: ssl.SSLContext, *,
+                     handshake_timeout: float) -> asyncio.Transport:
+    """``connect_accepted_socket`` with TLS, the TCP transport kept (returned): see
+    ``_wrap``. ``protocol.connection_made`` follows the handshake."""
+    raw, plain = await loop.connect_accepted_socket(_Unwrapped, sock)
+    await _wrap(loop, raw, plain.early, protocol, context, server_side=True,
+                server_hostname=None, handshake_timeout=handshake_timeout,
+                behind=getattr(protocol, "reads_behind", None))
+    return raw
+
+
+async def connect_tls(loop: asyncio.AbstractEventLoop, host: str, port: int,
+                      protocol: asyncio.Protocol, context: ssl.SSLContext, *,
+                      server_hostname: str, handshake_timeout: float) -> asyncio.Transport:
+    """``create_connection`` with TLS, the TCP transport kept (returned)."""
+    raw, plain = await loop.create_connection(_Unwrapped, host, port)
+    await _wrap(loop, raw, plain.early, protocol, context, server_side=False,
+                server_hostname=server_hostname, handshake_timeout=handshake_timeout,
+                behind=getattr(protocol, "reads_behind", None))
+    return raw
+
+
+async def _wrap(loop: asyncio.AbstractEventLoop, raw: asyncio.Transport, early: list[bytes],
+                protocol: asyncio.Protocol, context: ssl.SSLContext, *, server_side: bool,
+                server_hostname: str | None, handshake_timeout: float,
+                behind: Callable[[], bool] | None) -> None:
+    """Put the loop's own TLS protocol on ``raw`` as ``start_tls`` does, but with reads
+    capped (``_CappedReads``; ``behind``: the protocol's ``reads_behind``) and a small
+    socket-side write limit: the TLS transport exposes neither (its socket-side queue
+    takes 64 KiB before it pushes back).
+    ``start_tls`` itself cannot be used on an accepted socket: it would lose the bytes
+    the client sent before it ran."""
+    try:
+        waiter = loop.create_future()
+        tls = _tls_protocol_type(loop)(loop, protocol, context, waiter, server_side=server_side,
+                                       server_hostname=server_hostname,
+                                       ssl_handshake_timeout=handshake_timeout)
+        capped = _CappedReads(tls, behind)
+        raw.set_protocol(capped)
+        capped.connection_made(raw)
+        for data in early:
+            _feed(capped, data)
+        limit_buffers(raw)
+        raw.resume_reading()
+        await waiter
+    except BaseException:
+        raw.abort()
+        raise
+
+
+def _tls_protocol_type(loop: asyncio.AbstractEventLoop) -> type:
+    """The TLS protocol of this loop's own ``start_tls`` (uvloop has its own)."""
+    if type(loop).__module__.startswith("uvloop"):
+        import uvloop.loop
+
+        return cast(type, uvloop.loop.SSLProtocol)  # type: ignore[attr-defined]
+    return asyncio.sslproto.SSLProtocol
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+    """Hand ``data`` to a buffered protocol as if the transport had read it."""
+    view = memoryview(data)
+    while view:
+        buffer = memoryview(protocol.get_buffer(len(view)))
+        count = min(len(buffer), len(view))
+        buffer[:count] = view[:count]
+        protocol.buffer_updated(count)
+        view = view[count:]
 
 
 def limit_buffers(transport: asyncio.BaseTransport) -> None:
@@ -57,6 +194,8 @@ class FlowControl(asyncio.Protocol):
 
     def _flow_init(self) -> None:
         self.transport = None
+        self.socket_transport: asyncio.Transport | None = None
+        """The TCP transport under the TLS one (``accept_tls``, ``connect_tls``)."""
         self._write_paused = False
         self._write_waiters: list[Callable[[], None]] = []
         self._paused_by: set[str] = set()
@@ -71,7 +210,7 @@ class FlowControl(asyncio.Protocol):
         (and through it the TLS buffers) whatever still refers to this object."""
         self._wake_writers()
         self._paused_by.clear()
-        self.transport = None
+        self.transport = self.socket_transport = None
 
     # asyncio calls these when the transport's write buffer crosses its high and low marks
     def pause_writing(self) -> None:
@@ -93,6 +232,14 @@ class FlowControl(asyncio.Protocol):
     @property
     def paused_writing(self) -> bool:
         return self._write_paused
+
+    def writes_behind(self) -> bool:
+        """Whether what was written is not all on its way (the TLS layer or the socket
+        still holds some): whoever feeds this connection should read in small pieces."""
+        transport, raw = self.transport, self.socket_transport
+        return self._write_paused or (transport is not None and (
+            transport.get_write_buffer_size() > 0
+            or (raw is not None and raw.get_write_buffer_size() > 0)))
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the other side reads again (at once if it does)."""

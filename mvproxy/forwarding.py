@@ -40,7 +40,7 @@ from mvproxy.errors import (
     UpstreamUnserved,
 )
 from mvproxy.identity import REMOTE_PREFIX, Downstream, identity_headers
-from mvproxy.listener import Exchange
+from mvproxy.listener import DownstreamConnection, Exchange
 from mvproxy.logs import V, kv
 from mvproxy.transport import Pool, Transport, Upstream, UpstreamConnection
 from mvproxy.wire import PEER_PROXIED
@@ -489,6 +489,12 @@ class _Relay:
         self._with_body = exchange.method != "HEAD"
         self._body_sent = not exchange.has_body or exchange.upgrade
         self._chunked_body = exchange.chunked
+
+    @property
+    def downstream(self) -> DownstreamConnection:
+        """Where the response goes (the upstream connection reads in small pieces
+        while it is behind: ``flow.READ_CHUNK_BEHIND``)."""
+        return self.exchange.conn
 
     # ---------------------------------------------------------------- request body
 

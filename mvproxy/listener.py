@@ -39,6 +39,7 @@ else the connection is closed (the client sees a truncated response, never a lie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -56,7 +57,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from mvproxy import wire
-from mvproxy.flow import FlowControl, limit_buffers
+from mvproxy.flow import NOTSENT_LOWAT, FlowControl, accept_tls, limit_buffers
 from mvproxy.identity import Downstream
 from mvproxy.kubestatus import status_bytes
 from mvproxy.logs import V, kv, throttled
@@ -1024,9 +1025,12 @@ class Listener:
     async def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await self.loop.connect_accepted_socket(
-                lambda: DownstreamConnection(self), sock, ssl=current_context(self.ssl_context),
-                ssl_handshake_timeout=self.limits.header_read_timeout)
+            with contextlib.suppress(OSError, AttributeError):  # Linux only
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+            conn = DownstreamConnection(self)
+            conn.socket_transport = await accept_tls(
+                self.loop, sock, conn, current_context(self.ssl_context),
+                handshake_timeout=self.limits.header_read_timeout)
         except (OSError, TimeoutError, asyncio.CancelledError, ConnectionError) as exc:
             sock.close()
             log.log(V(4), "TLS handshake failed", extra=kv(error=type(exc).__name__))

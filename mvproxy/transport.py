@@ -46,7 +46,7 @@ from mvproxy.errors import (
     UpstreamTimeout,
     UpstreamUnresolved,
 )
-from mvproxy.flow import FlowControl, limit_buffers
+from mvproxy.flow import FlowControl, connect_tls, limit_buffers
 from mvproxy.requestcheck import target_problem
 from mvproxy.tls import SwappableContext, current_context, peer_serving_problem
 
@@ -322,6 +322,28 @@ class UpstreamConnection(FlowControl):
         self._eof_sink = on_eof
         self.pool.forget(self)
 
+    def reads_behind(self) -> bool:
+        """Read in small pieces while the downstream this response goes to is behind
+        (``flow.READ_CHUNK_BEHIND``)."""
+        handler = self._handler
+        downstream = getattr(handler, "downstream", None)
+        return downstream is not None and downstream.writes_behind()
+
+    def pause_reading(self, reason: str) -> None:
+        """Also stop reading the socket at once: the TLS transport alone would read
+        ahead (``flow.READ_HIGH``) before it stops, and a stalled downstream must not
+        make the upstream leg hold more than what is already in flight."""
+        super().pause_reading(reason)
+        if self.socket_transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.socket_transport.pause_reading()
+
+    def resume_reading(self, reason: str) -> None:
+        super().resume_reading(reason)
+        if not self._paused_by and self.socket_transport is not None and not self.closed:
+            with contextlib.suppress(RuntimeError):
+                self.socket_transport.resume_reading()
+
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -386,10 +408,11 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self), upstream.host, upstream.port,
-                    ssl=current_context(upstream.ssl_context), server_hostname=upstream.host,
-                    ssl_handshake_timeout=self.connect_timeout)
+                conn = UpstreamConnection(self)
+                conn.socket_transport = await connect_tls(
+                    loop, upstream.host, upstream.port, conn,
+                    current_context(upstream.ssl_context), server_hostname=upstream.host,
+                    handshake_timeout=self.connect_timeout)
         except TimeoutError as exc:
             raise UpstreamConnectError(upstream.name, "connect timed out") from exc
         except socket.gaierror as exc:

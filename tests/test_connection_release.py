@@ -197,7 +197,7 @@ def stalled_bounds(down, up) -> dict[str, int]:
     """What a stalled stream holds in its TLS transports, and the bounds: the write that
     crossed the limit is at most one upstream socket read (with TLS records' framing),
     and nothing more was taken."""
-    one_read = flow.SOCKET_READ_MAX + 8192
+    one_read = flow.READ_CHUNK + 1024  # and its TLS record's framing
     return {"downstream paused": int(down.paused_writing),
             "upstream paused for it": int(up._paused_by == {"downstream"}),
             "downstream buffered": down.transport.get_write_buffer_size(),
