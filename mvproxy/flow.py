@@ -40,10 +40,12 @@ WRITE_LOW = WRITE_HIGH // 4
 READ_HIGH = 16 * 1024
 """Encrypted bytes a paused TLS transport reads ahead from its socket."""
 READ_CHUNK = 16 * 1024
-"""The most one read from a socket brings into the TLS layer (asyncio and uvloop read
-up to 256 KiB at a time): one TLS record. Smaller reads split records, which cost
-CPU (measured on a 64 MiB body each way: 8 KiB +35 %, 4 KiB +50 % against 16 KiB; 64
-KiB no better than 16)."""
+"""The most one read from an upstream socket brings into the TLS layer (asyncio and
+uvloop read up to 256 KiB at a time): one TLS record. Measured (2026-12-01, this
+machine): a stalled stream holds ~195 KiB with 16 KiB reads, ~410 KiB with 64 KiB;
+a 64 KiB LIST costs ~30 % more CPU than with uncapped reads (the cap is two Python
+calls per read), 64 KiB reads ~10 %. Smaller reads split records: 8 KiB +35 %, 4 KiB
++50 % CPU on a 64 MiB body."""
 READ_CHUNK_BEHIND = 4 * 1024
 """The most one read brings while whoever the bytes go to is behind (``reads_behind``):
 what arrives after the other leg stopped reading, before the pause takes effect. Each
@@ -112,8 +114,7 @@ async def accept_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     ``_wrap``. ``protocol.connection_made`` follows the handshake."""
     raw, plain = await loop.connect_accepted_socket(_Unwrapped, sock)
     await _wrap(loop, raw, plain.early, protocol, context, server_side=True,
-                server_hostname=None, handshake_timeout=handshake_timeout,
-                behind=getattr(protocol, "reads_behind", None))
+                server_hostname=None, handshake_timeout=handshake_timeout, capped=False)
     return raw
 
 
@@ -124,18 +125,20 @@ async def connect_tls(loop: asyncio.AbstractEventLoop, host: str, port: int,
     raw, plain = await loop.create_connection(_Unwrapped, host, port)
     await _wrap(loop, raw, plain.early, protocol, context, server_side=False,
                 server_hostname=server_hostname, handshake_timeout=handshake_timeout,
-                behind=getattr(protocol, "reads_behind", None))
+                capped=True, behind=getattr(protocol, "reads_behind", None))
     return raw
 
 
 async def _wrap(loop: asyncio.AbstractEventLoop, raw: asyncio.Transport, early: list[bytes],
                 protocol: asyncio.Protocol, context: ssl.SSLContext, *, server_side: bool,
-                server_hostname: str | None, handshake_timeout: float,
-                behind: Callable[[], bool] | None) -> None:
-    """Put the loop's own TLS protocol on ``raw`` as ``start_tls`` does, but with reads
-    capped (``_CappedReads``; ``behind``: the protocol's ``reads_behind``) and a small
-    socket-side write limit: the TLS transport exposes neither (its socket-side queue
-    takes 64 KiB before it pushes back).
+                server_hostname: str | None, handshake_timeout: float, capped: bool,
+                behind: Callable[[], bool] | None = None) -> None:
+    """Put the loop's own TLS protocol on ``raw`` as ``start_tls`` does, with a small
+    socket-side write limit (the TLS transport's socket side takes 64 KiB before it
+    pushes back) and, if ``capped``, reads capped (``_CappedReads``; ``behind``: the
+    protocol's ``reads_behind``). Only upstream reads are capped: downstream reads
+    carry requests, and the shim costs two Python calls per read (uvloop's own TLS
+    protocol is called from C).
     ``start_tls`` itself cannot be used on an accepted socket: it would lose the bytes
     the client sent before it ran."""
     try:
@@ -143,11 +146,11 @@ async def _wrap(loop: asyncio.AbstractEventLoop, raw: asyncio.Transport, early: 
         tls = _tls_protocol_type(loop)(loop, protocol, context, waiter, server_side=server_side,
                                        server_hostname=server_hostname,
                                        ssl_handshake_timeout=handshake_timeout)
-        capped = _CappedReads(tls, behind)
-        raw.set_protocol(capped)
-        capped.connection_made(raw)
+        under: asyncio.BufferedProtocol = _CappedReads(tls, behind) if capped else tls
+        raw.set_protocol(under)
+        under.connection_made(raw)
         for data in early:
-            _feed(capped, data)
+            _feed(under, data)
         limit_buffers(raw)
         raw.resume_reading()
         await waiter
