@@ -164,8 +164,12 @@ class DiscoveryHandler:
             headers.popall("If-None-Match", None)
             if self._probe_etags.get(path):
                 headers["If-None-Match"] = self._probe_etags[path]
+        # The probe carries the client's query: kube-apiserver checks some of it (a bad
+        # ``timeout``: 400) before authorization, and a group only peers serve must be
+        # refused exactly as an unknown one, whose request goes to the backend whole.
+        target = f"{path}?{exchange.query}" if exchange.query else path
         try:
-            answer = await self.transport.fetch(self.backend.for_headers(headers), path,
+            answer = await self.transport.fetch(self.backend.for_headers(headers), target,
                                                 headers=headers, timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:

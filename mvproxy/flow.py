@@ -151,6 +151,7 @@ async def _wrap(loop: asyncio.AbstractEventLoop, raw: asyncio.Transport, early: 
         under.connection_made(raw)
         for data in early:
             _feed(under, data)
+        early.clear()  # held by the TLS layer now; not twice for the whole handshake
         limit_buffers(raw)
         raw.resume_reading()
         await waiter

@@ -81,7 +81,8 @@ class Proxy:
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
-                                  credentials=has_credentials(downstream, exchange.raw),
+                                  credentials=has_credentials(downstream, exchange.raw,
+                                                              upgrade=exchange.upgrade),
                                   rng=self.rng)
         if decision.route == routing.PEER:
             return self._peer_now(exchange, info, decision.peers, long_running)
@@ -216,7 +217,8 @@ class Proxy:
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
-                                  credentials=has_credentials(downstream, exchange.raw),
+                                  credentials=has_credentials(downstream, exchange.raw,
+                                                              upgrade=exchange.upgrade),
                                   rng=self.rng)
         if log.isEnabledFor(V(4)):
             log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,

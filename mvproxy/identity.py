@@ -19,9 +19,9 @@ first, Go uses the last, and a peer check that read one while the backend read t
 other would let ``/CN=front-proxy-client/CN=alice`` pass as either.
 
 Whether a request has **credentials** at all (``has_credentials``: a peer, a
-certificate user, or a token) decides whether routing may send it to a peer: one
-without is answered by the backend, so it cannot learn what only peers serve
-(``routing``'s docstring).
+certificate user, or a bearer token as kube-apiserver reads one) decides whether
+routing may send it to a peer: one without is answered by the backend, so it cannot
+learn what only peers serve (``routing``'s docstring).
 
 Identity headers from a non-peer are removed before forwarding: otherwise any
 client could claim to be ``system:masters``. ``Impersonate-*`` headers stay: the
@@ -171,27 +171,46 @@ WEBSOCKET_BEARER = b"base64url.bearer.authorization.k8s.io."
 ``Authorization`` on a WebSocket), as its ``websocket`` authenticator reads it."""
 
 
-def has_credentials(downstream: Downstream, raw: RawFields) -> bool:
+def has_credentials(downstream: Downstream, raw: RawFields, *, upgrade: bool = False) -> bool:
     """Whether an API server could authenticate this request as someone: the
-    connection is a peer's or a certificate user's, or the request carries a token (a
-    non-empty ``Authorization``, bearer or basic, or kube's WebSocket bearer
-    subprotocol), valid or not: mvproxy cannot judge a token. An ``Authorization``
-    that ``Connection`` names does not count: forwarding drops it, so the upstream
-    would see an anonymous request. Pure, on the raw fields (the hot path)."""
+    connection is a peer's or a certificate user's, or the request carries a bearer
+    token as kube-apiserver reads one, valid or not (mvproxy cannot judge a token):
+    the *first* ``Authorization`` field (Go's ``Header.Get``) is ``Bearer <token>``
+    with a non-empty token, or, on an upgrade request only, the WebSocket bearer
+    subprotocol carries one. Anything else (another scheme, an empty token, a second
+    field, a field that ``Connection`` names so that forwarding drops it) is read as
+    anonymous by kube-apiserver, so it counts as no credentials here: it would reach a
+    peer at no cost to the prober. Pure, on the raw fields (the hot path)."""
     if downstream.kind in (PEER, USER):
         return True
-    token = False
+    authorization: bytes | None = None
+    subprotocols: list[bytes] = []
+    named: set[bytes] | None = None
     for name, value in raw:
         first = name[:1]
         if first in (b"a", b"A") and name.lower() == AUTHORIZATION:
-            token = token or bool(value.strip(b" \t"))
-        elif (first in (b"s", b"S") and name.lower() == WEBSOCKET_PROTOCOL
-              and WEBSOCKET_BEARER in value):
-            return True
-    if not token:
-        return False
-    return not any(name.lower() == b"connection" and AUTHORIZATION in connection_tokens(value)
-                   for name, value in raw)
+            if authorization is None:
+                authorization = value
+        elif first in (b"s", b"S") and name.lower() == WEBSOCKET_PROTOCOL:
+            subprotocols.append(value)
+        elif first in (b"c", b"C") and name.lower() == b"connection":
+            named = (named or set()) | connection_tokens(value)
+    if authorization is not None and not (named and AUTHORIZATION in named) \
+            and _bearer_token(authorization):
+        return True
+    if upgrade and subprotocols and not (named and WEBSOCKET_PROTOCOL in named):
+        return any(protocol.strip(b" \t").startswith(WEBSOCKET_BEARER)
+                   and len(protocol.strip(b" \t")) > len(WEBSOCKET_BEARER)
+                   for value in subprotocols for protocol in value.split(b","))
+    return False
+
+
+def _bearer_token(value: bytes) -> bool:
+    """Whether kube-apiserver's bearer authenticator finds a token in this value:
+    trimmed, split on spaces into at most three parts, ``bearer`` in any case first,
+    a non-empty second part."""
+    parts = value.strip(b" \t").split(b" ", 2)
+    return len(parts) >= 2 and parts[0].lower() == b"bearer" and bool(parts[1])
 
 
 def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:

@@ -31,13 +31,16 @@ peer; mvproxy cannot, so otherwise the peer hop's extra time, or the 503 naming
 unreachable peers, would tell an anonymous client which group/versions and resources
 only peers serve, which merged discovery refuses to show it. ``GET /apis/<g>``, ``/api``,
 ``/apis`` and the ``/openapi/v3`` index are unchanged: their handlers ask the backend
-the same request with the client's credentials first and relay its refusal.
+the same request (query included) with the client's credentials first and relay its
+refusal.
 
-A request with a token, valid or not, still goes to peers: mvproxy does not
-authenticate tokens (the backend, or the peer's backend, does), so it cannot tell a
-junk token from a real one. An invalid token therefore remains an oracle, if a weaker
-one: the refusal is the same 401 from any server, but the peer hop's timing, and the
-503 when every capable peer is down, still differ, and anyone can send a junk token.
+A request with a bearer token as kube-apiserver reads one (``identity.has_credentials``:
+another scheme is anonymous to it, so here too), valid or not, still goes to peers:
+mvproxy does not authenticate tokens (the backend, or the peer's backend, does), so
+it cannot tell a junk token from a real one. An invalid token therefore remains an
+oracle, if a weaker one: the refusal is the same 401 from any server, but the peer
+hop's timing, and the 503 when every capable peer is down, still differ, and anyone
+can send a junk token.
 It costs the prober a failed authentication in the peer's backend (audited there when
 auditing is on). Closing it needs mvproxy to ask its backend about the token first.
 """

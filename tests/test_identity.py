@@ -278,33 +278,46 @@ def test_constants_match_upstream_names():
 BEARER_PROTOCOL = b"base64url.bearer.authorization.k8s.io.dG9rZW4, v5.channel.k8s.io"
 
 
-@pytest.mark.parametrize("downstream, raw, expected", [
-    (PEER_DS, [], True),
-    (USER_DS, [], True),
-    (ANONYMOUS_DOWNSTREAM, [], False),
-    (ANONYMOUS_DOWNSTREAM, [(b"Accept", b"application/json")], False),
-    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer t0ken")], True),
-    (ANONYMOUS_DOWNSTREAM, [(b"authorization", b"Bearer junk")], True),
-    (ANONYMOUS_DOWNSTREAM, [(b"AUTHORIZATION", b"Basic YTpi")], True),
-    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"")], False),
-    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b" \t")], False),
-    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b""), (b"Authorization", b"Bearer x")], True),
+@pytest.mark.parametrize("downstream, raw, upgrade, expected", [
+    (PEER_DS, [], False, True),
+    (USER_DS, [], False, True),
+    (ANONYMOUS_DOWNSTREAM, [], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Accept", b"application/json")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer t0ken")], False, True),
+    (ANONYMOUS_DOWNSTREAM, [(b"authorization", b"bearer junk")], False, True),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"  Bearer t0ken  ")], False, True),
+    (ANONYMOUS_DOWNSTREAM, [(b"AUTHORIZATION", b"Basic YTpi")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"x")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer  t0ken")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b" \t")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b""), (b"Authorization", b"Bearer x")],
+     False, False),
     (ANONYMOUS_DOWNSTREAM, [(b"Authorization", b"Bearer x"),
-                            (b"Connection", b"keep-alive, Authorization")], False),
-    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", BEARER_PROTOCOL)], True),
-    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", b"v5.channel.k8s.io")], False),
+                            (b"Connection", b"keep-alive, Authorization")], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", BEARER_PROTOCOL)], True, True),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", BEARER_PROTOCOL)], False, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", BEARER_PROTOCOL),
+                            (b"Connection", b"Upgrade, Sec-WebSocket-Protocol")], True, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol",
+                             b"base64url.bearer.authorization.k8s.io.")], True, False),
+    (ANONYMOUS_DOWNSTREAM, [(b"Sec-WebSocket-Protocol", b"v5.channel.k8s.io")], True, False),
     (ANONYMOUS_DOWNSTREAM, [(b"X-Authorization", b"Bearer x"),
                             (b"Impersonate-User", b"system:admin"),
-                            (b"X-Remote-User", b"system:admin")], False),
+                            (b"X-Remote-User", b"system:admin")], False, False),
 ], ids=[
     "peer", "certificate user", "nothing", "other headers only", "bearer token",
-    "junk token (mvproxy cannot judge it)", "basic, any case", "empty Authorization",
-    "blank Authorization", "a second, non-empty Authorization",
+    "junk token, any case (mvproxy cannot judge it)", "surrounding blanks trimmed",
+    "another scheme (kube reads it as anonymous)", "no scheme", "Bearer without a token",
+    "two spaces: an empty token", "empty Authorization", "blank Authorization",
+    "only the first Authorization counts (Go's Header.Get)",
     "Authorization named in Connection (forwarding drops it)",
-    "bearer token as a WebSocket subprotocol", "WebSocket subprotocol without a token",
-    "look-alikes and claims are not credentials",
+    "bearer token as a WebSocket subprotocol", "the subprotocol outside an upgrade",
+    "the subprotocol named in Connection", "the subprotocol with an empty token",
+    "WebSocket subprotocol without a token", "look-alikes and claims are not credentials",
 ])
-def test_has_credentials(downstream, raw, expected):
+def test_has_credentials(downstream, raw, upgrade, expected):
     """Without credentials routing never sends a request to a peer: only what an API
     server could authenticate counts, and a token counts whether or not it is valid."""
-    assert has_credentials(downstream, raw) is expected
+    assert has_credentials(downstream, raw, upgrade=upgrade) is expected

@@ -293,6 +293,59 @@ async def test_without_credentials_unreachable_peers_are_not_a_503(aiohttp_serve
                               type="endpoint_resolution", resource="podgroups") == 1
 
 
+PEER_GROUP = {"metadata": {"name": "peeronly.example.io"}, "versions": [{
+    "version": "v1", "freshness": "Current", "resources": [{
+        "resource": "widgets", "scope": "Namespaced", "singularResource": "widget",
+        "responseKind": {"group": "", "version": "", "kind": "Widget"},
+        "verbs": ["get", "list"]}]}]}
+
+
+def deadline_before_authentication(app) -> None:
+    """``/apis/<g>`` as kube-apiserver's filter chain answers it: a bad ``timeout`` is a
+    400 before authentication (``WithRequestDeadline``), then anonymous gets 403."""
+    async def group(request):
+        timeout = request.query.get("timeout")
+        if timeout is not None and not timeout.endswith("s"):
+            return web.json_response({"kind": "Status", "code": 400,
+                                      "message": "invalid timeout"}, status=400)
+        if "Authorization" not in request.headers:
+            return web.json_response({"kind": "Status", "code": 403, "message": "forbidden"},
+                                     status=403)
+        return web.json_response({"kind": "Status", "code": 404}, status=404)
+    app.router.add_get("/apis/{group}", group)
+
+
+async def test_a_group_only_peers_serve_is_refused_like_an_unknown_one_whatever_the_query(
+        aiohttp_server, root):
+    """Review of issue 19: the authorization probe for ``GET /apis/<g>`` dropped the
+    client's query, so ``?timeout=x`` got 403 for a group some server serves and 400
+    (the backend's own check, before authentication) for an unknown one."""
+    async with cluster(aiohttp_server, root, backend_routes=deadline_before_authentication,
+                       peer_groups=[PEER_GROUP]) as c:
+        await ready(c)
+        for query in ("", "?timeout=x", "?timeout=5s"):
+            known = await c.raw(request(f"/apis/peeronly.example.io{query}"), who="bearer")
+            unknown = await c.raw(request(f"/apis/nothing.example.io{query}"), who="bearer")
+            assert status_of(known) == status_of(unknown) != 200, query
+        assert ("GET", "/apis/peeronly.example.io?timeout=x") in c.seen["backend"]
+
+
+@pytest.mark.parametrize("authorization", [
+    ["x"], ["Basic YTpi"], ["Bearer"], ["", "Bearer junk"]],
+    ids=["no scheme", "basic", "no token", "a second field"])
+async def test_what_kube_reads_as_anonymous_counts_as_no_credentials(
+        aiohttp_server, root, authorization):
+    """Review of issue 19: any non-empty ``Authorization`` counted as a token, though
+    kube-apiserver reads only the first field, and only ``Bearer <token>``: such a
+    request reached the peer as anonymous, an oracle at no cost."""
+    headers = "".join(f"Authorization: {value}\r\n" for value in authorization)
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        answer = await c.raw(request(PODGROUPS, headers=headers), who="bearer")
+        assert body_of(answer)["server"] == "backend"
+        assert c.seen["peer"] == []
+
+
 # --------------------------------------------------------------------------- peer trust
 
 
