@@ -165,7 +165,8 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     limits = Limits(header_read_timeout=cfg.listener.header_read_timeout,
                     idle_timeout=cfg.listener.idle_timeout,
                     max_header_bytes=cfg.listener.max_header_bytes,
-                    max_connections=cfg.listener.max_connections or _derived_max_connections())
+                    max_connections=cfg.listener.max_connections or _derived_max_connections(),
+                    max_pending_handshakes=cfg.listener.max_pending_handshakes)
     return Daemon(cfg, tls.listener, metrics, cache, transport, poll_transport,
                   poller, proxy, identity, limits, asyncio.Event(), tls.reloader, static,
                   peer_ssl, membership_sources(membership), leases, dns)

@@ -570,6 +570,12 @@ class ListenerConfig:
     it less a reserve, since each connection may hold one upstream connection too). At
     the limit new clients wait in the kernel's backlog, and descriptors stay free for
     discovery polls."""
+    max_pending_handshakes: int = _key("maxPendingHandshakes", _integer(1), default=256)
+    """TLS handshakes in progress at once (256). A client may send ~100 KiB of
+    ClientHello and then stall until ``headerReadTimeout``, holding ~0.5 MB before it
+    has proven anything; beyond this, new clients wait in the kernel's backlog. A
+    handshake takes about a millisecond of CPU, so 256 at once is far from a limit for
+    honest clients."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

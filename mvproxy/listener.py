@@ -2,7 +2,8 @@
 
 What this module owns, and nothing above it does:
 
-- **accepting** on its own socket, up to ``maxConnections`` at once; at the limit, or
+- **accepting** on its own socket, up to ``maxConnections`` at once and
+  ``maxPendingHandshakes`` TLS handshakes in progress; at either limit, or
   when the process is out of file descriptors, it stops accepting (the kernel's backlog
   holds new clients) and resumes when a connection ends or after a back-off, logging
   once per episode, so descriptors stay free for discovery polls and upstreams;
@@ -99,6 +100,9 @@ class Limits:
     """Largest request line plus header fields (431 beyond)."""
     max_connections: int = 10_000
     """Connections open at once; beyond it new clients wait in the kernel's backlog."""
+    max_pending_handshakes: int = 256
+    """TLS handshakes in progress at once; beyond, new clients wait in the backlog too
+    (a stalled handshake holds its ClientHello, up to ~100 KiB, for headerReadTimeout)."""
 
 
 Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
@@ -981,6 +985,11 @@ class Listener:
             if self.open_connections >= self.limits.max_connections:
                 self._starved("the connection limit",
                               f"maxConnections={self.limits.max_connections}")
+                self._pause_accepting()
+                return
+            if self._pending >= self.limits.max_pending_handshakes:
+                self._starved("the limit of TLS handshakes in progress",
+                              f"maxPendingHandshakes={self.limits.max_pending_handshakes}")
                 self._pause_accepting()
                 return
             try:

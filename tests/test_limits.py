@@ -142,3 +142,30 @@ async def test_clients_beyond_max_connections_wait_for_a_free_slot(aiohttp_serve
             other.close()
         record("Resource limits", "connections beyond maxConnections", 1,
                "waited in the backlog; served once a slot freed")
+
+
+async def test_clients_beyond_max_pending_handshakes_wait_until_one_ends(aiohttp_server, root):
+    """Review of issue 19: a client that sends most of a huge ClientHello and stalls
+    holds ~0.5 MB until headerReadTimeout; handshakes in progress are capped like
+    connections, the rest wait in the backlog."""
+    async with cluster(aiohttp_server, root,
+                       listener={"maxPendingHandshakes": 3, "headerReadTimeout": "30s"}) as c:
+        await ready(c)
+        stalled = [await asyncio.open_connection("127.0.0.1", c.port) for _ in range(3)]
+        for _, writer in stalled:
+            writer.write(b"\x16\x03\x01\x40\x00")  # a 16 KiB handshake record begins...
+        async def pending() -> bool:
+            return await c.metric("mvproxy_open_connections") == 3
+        await c.until(pending, "three handshakes in progress")
+        waiting = asyncio.create_task(tls_connect(c))
+        done, _ = await asyncio.wait([waiting], timeout=0.5)
+        assert not done, "a fourth handshake ran past maxPendingHandshakes"
+        stalled[0][1].close()  # one ends: the waiting client's handshake starts
+        reader, writer = await asyncio.wait_for(waiting, WAIT)
+        writer.write(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status_of(await read_until_closed(reader)) == 200
+        writer.close()
+        for _, other in stalled[1:]:
+            other.close()
+        record("Resource limits", "TLS handshakes beyond maxPendingHandshakes (stalled "
+               "ClientHellos)", 3, "waited in the backlog; served once a handshake ended")
