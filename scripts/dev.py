@@ -14,6 +14,9 @@ tests.
 ``binary`` builds the standalone executable ``dist/mvproxy`` (see ``build_binary``).
 ``kubectl [X.Y]`` downloads the test suite's pinned kubectl into ``.tools/`` and prints
 its path (for a machine with no kubectl).
+``kube-binaries [VERSIONS]`` builds real kube-apiserver, kube-controller-manager and
+etcd from Go modules into ``$MVPROXY_KUBE_BINARIES`` (default ``~/.cache/mvproxy/kube``;
+see ``scripts/kube_binaries.py``); it needs Go, not the venv.
 """
 
 from __future__ import annotations
@@ -211,10 +214,15 @@ def lint() -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "lint", "binary", "kubectl"):
-        print("usage: python3 scripts/dev.py demo|test|lint|binary|kubectl [ARGS...]",
-              file=sys.stderr)
+    if not argv or argv[0] not in ("demo", "test", "lint", "binary", "kubectl",
+                                   "kube-binaries"):
+        print("usage: python3 scripts/dev.py demo|test|lint|binary|kubectl|kube-binaries"
+              " [ARGS...]", file=sys.stderr)
         return 2
+    if argv[0] == "kube-binaries":
+        # Stdlib and Go only: no venv needed to build the real components.
+        result: int = _script("kube_binaries").main(argv[1:])
+        return result
     ensure_env()
     command, rest = argv[0], argv[1:]
     if command == "lint":
