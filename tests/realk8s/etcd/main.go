@@ -1,5 +1,5 @@
-// etcd for mvproxy's real-Kubernetes tests: the same one line as etcd's own
-// server/main.go. `go install go.etcd.io/etcd/server/v3@v3.6.z` is refused (its
+// etcd for mvproxy's real-Kubernetes tests: runs etcdmain with the process's
+// arguments. `go install go.etcd.io/etcd/server/v3@v3.6.z` is refused (its
 // go.mod has replace directives), so a generated module requires it instead.
 //
 // Built by scripts/kube_binaries.py (python3 scripts/dev.py kube-binaries).

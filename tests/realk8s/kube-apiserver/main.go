@@ -1,5 +1,6 @@
-// kube-apiserver for mvproxy's real-Kubernetes tests: upstream's own main
-// (k8s.io/kubernetes/cmd/kube-apiserver/apiserver.go) plus a hostname override.
+// kube-apiserver for mvproxy's real-Kubernetes tests: runs the app package's command,
+// with the blank imports the released binary has (embedded time zones, JSON logs,
+// client-go and build-info metrics), plus a hostname override.
 //
 // The server ID, and with it the identity Lease name, is a hash of the hostname
 // only, so two servers on one host collide. `--mvproxy-hostname NAME` (removed
@@ -13,13 +14,13 @@ package main
 import (
 	"os"
 	"strings"
-	_ "time/tzdata" // for timeZone support in CronJob
+	_ "time/tzdata"
 
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/component-base/cli"
-	_ "k8s.io/component-base/logs/json/register"          // for JSON log format registration
-	_ "k8s.io/component-base/metrics/prometheus/clientgo" // load all the prometheus client-go plugins
-	_ "k8s.io/component-base/metrics/prometheus/version"  // for version metric registration
+	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/component-base/metrics/prometheus/clientgo"
+	_ "k8s.io/component-base/metrics/prometheus/version"
 	"k8s.io/kubernetes/cmd/kube-apiserver/app"
 )
 

@@ -1,18 +1,20 @@
-// kube-controller-manager for mvproxy's real-Kubernetes tests: upstream's own main
-// (k8s.io/kubernetes/cmd/kube-controller-manager/controller-manager.go), copied so
-// the generated module imports its app package and `go mod tidy` keeps what it needs.
+// kube-controller-manager for mvproxy's real-Kubernetes tests. A main of our own
+// that runs the app package's command: the generated module then imports that
+// package, and `go mod tidy` keeps what it needs. The blank imports register what
+// the released binary has (embedded time zones, JSON logs, client-go and build-info
+// metrics), so the test binary behaves like the released one.
 //
 // Built by scripts/kube_binaries.py (python3 scripts/dev.py kube-binaries).
 package main
 
 import (
 	"os"
-	_ "time/tzdata" // for CronJob Time Zone support
+	_ "time/tzdata"
 
 	"k8s.io/component-base/cli"
-	_ "k8s.io/component-base/logs/json/register"          // for JSON log format registration
-	_ "k8s.io/component-base/metrics/prometheus/clientgo" // load all the prometheus client-go plugin
-	_ "k8s.io/component-base/metrics/prometheus/version"  // for version metric registration
+	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/component-base/metrics/prometheus/clientgo"
+	_ "k8s.io/component-base/metrics/prometheus/version"
 	"k8s.io/kubernetes/cmd/kube-controller-manager/app"
 )
 
