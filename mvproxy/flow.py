@@ -75,7 +75,8 @@ class _Unwrapped(asyncio.Protocol):
 
 class _CappedReads(asyncio.BufferedProtocol):
     """Between the TCP transport and the loop's own TLS protocol: reads of at most
-    ``READ_CHUNK``, everything else passed on as it is."""
+    ``READ_CHUNK`` (``READ_CHUNK_BEHIND`` while ``behind()``), everything else passed
+    on as it is."""
 
     __slots__ = ("tls", "behind")
 

@@ -311,6 +311,16 @@ def _complete(received: bytes) -> bool:
     return False
 
 
+async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT)."""
+    received = b""
+    async with asyncio.timeout(WAIT):
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while chunk := await reader.read(65536):
+                received += chunk
+    return received
+
+
 def status_of(answer: bytes) -> int:
     """The status code of a raw HTTP/1.x answer (0 if there is none)."""
     parts = answer.split(b"\r\n", 1)[0].split(b" ")

@@ -22,11 +22,9 @@ for ``docs/reliability.md``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
-import ssl
 
 import httptools
 import pytest
@@ -37,6 +35,7 @@ from daemon_support import (
     Cluster,
     body_of,
     cluster,
+    read_until_closed,
     ready,
     synced,
 )
@@ -444,16 +443,6 @@ async def warm(c: Cluster) -> None:
     that sent a request upstream from inside llhttp's parse of the read)."""
     status, _, _ = await c.get("/api/v1/namespaces/warm")
     assert status == 200
-
-
-async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
-    """Everything the server sends until it closes the connection (bounded by WAIT)."""
-    received = b""
-    async with asyncio.timeout(WAIT):
-        with contextlib.suppress(ConnectionError, ssl.SSLError):
-            while chunk := await reader.read(65536):
-                received += chunk
-    return received
 
 
 ONE_WRITE = {

@@ -20,6 +20,7 @@ from daemon_support import (
     Cluster,
     body_of,
     cluster,
+    read_until_closed,
     ready,
     status_of,
 )
@@ -32,16 +33,6 @@ SHORT = {"headerReadTimeout": "500ms", "idleTimeout": "500ms"}
 async def tls_connect(c: Cluster, who: str = "admin"):
     return await asyncio.open_connection("127.0.0.1", c.port, ssl=c.contexts[who],
                                          server_hostname="127.0.0.1")
-
-
-async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
-    """Everything the server sends until it closes the connection (bounded by WAIT)."""
-    received = b""
-    async with asyncio.timeout(WAIT):
-        with contextlib.suppress(ConnectionError, ssl.SSLError):
-            while chunk := await reader.read(65536):
-                received += chunk
-    return received
 
 
 async def served(c: Cluster) -> bool:
