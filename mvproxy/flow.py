@@ -42,10 +42,11 @@ READ_HIGH = 16 * 1024
 READ_CHUNK = 16 * 1024
 """The most one read from an upstream socket brings into the TLS layer (asyncio and
 uvloop read up to 256 KiB at a time): one TLS record. Measured (2026-12-01, this
-machine): a stalled stream holds ~195 KiB with 16 KiB reads, ~410 KiB with 64 KiB;
-a 64 KiB LIST costs ~30 % more CPU than with uncapped reads (the cap is two Python
-calls per read), 64 KiB reads ~10 %. Smaller reads split records: 8 KiB +35 %, 4 KiB
-+50 % CPU on a 64 MiB body."""
+machine, ``bench/run.py`` 3 rounds, noisy): a stalled stream holds ~195 KiB with 16
+KiB reads, ~410 KiB with 64 KiB; a 64 KiB LIST cost 109 µs/req with uncapped reads,
+142 with 16 KiB and 136 with 64 KiB (the cap is two Python calls per read). Smaller
+reads split records: the in-process 64 MiB transfer each way took ~35 % (8 KiB) and
+~50 % (4 KiB) more CPU than with 16 KiB."""
 READ_CHUNK_BEHIND = 4 * 1024
 """The most one read brings while whoever the bytes go to is behind (``reads_behind``):
 what arrives after the other leg stopped reading, before the pause takes effect. Each
