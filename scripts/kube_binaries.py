@@ -1,5 +1,6 @@
-"""Build real kube-apiserver, kube-controller-manager and etcd from Go modules, cached
-outside the clone (``python3 scripts/dev.py kube-binaries [VERSIONS]``).
+"""Build real kube-apiserver, kube-controller-manager and etcd from Go modules, and a
+client-go informer for the tests, cached outside the clone (``python3 scripts/dev.py
+kube-binaries [VERSIONS]``).
 
 Why from modules: the machines have Go and the module proxy, not a release download.
 ``go install k8s.io/kubernetes/cmd/kube-apiserver@vX`` is refused (that module's go.mod
@@ -16,12 +17,26 @@ setup-envtest's ``k8s/<version>-<os>-<arch>`` directories. Build modules live un
 ``<root>/build/``; the module and build caches are Go's own (``go env GOMODCACHE
 GOCACHE``). A version whose binaries are all present is not touched (no Go run).
 
+``<root>/<version>/informer`` (tests/realk8s/informer: a dynamic shared informer that
+prints every event as a JSON line) is built per version against that version's
+``k8s.io/client-go v0.Y.Z`` only, in a module of its own (``<root>/build/
+informer-<version>/``, go.mod generated from client-go's the same way; it has no
+``v0.0.0`` requirements, so no replaces today). Per version rather than one binary of the
+oldest client-go, which the skew policy would allow for plain list and watch: each
+minor's reflector differs (watch-list on by default since 0.35, its fallbacks), and the
+controllers that meet mvproxy during an upgrade run both versions' client-go; the build
+costs about a minute cold, seconds warm. It is an extra file (with ``informer.sha256``,
+the digest of the main.go it was built from: an edited main.go is rebuilt) in an
+envtest directory and not one of :data:`BINARIES`: :func:`find_binaries` still means the
+servers, :func:`find_informer` finds an up-to-date informer.
+
 Stdlib only: dev.py runs it with whichever python3 is at hand.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -41,6 +56,10 @@ DEFAULT_VERSIONS = ("1.35.4", "1.36.3", "1.37.2")
 ENV_ROOT = "MVPROXY_KUBE_BINARIES"
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager")
 BINARIES = (*KUBE_BINARIES, "etcd")
+INFORMER = "informer"
+CLIENT_GO = "k8s.io/client-go"
+# What ``informer --client-go-version`` prints, each at v0.Y.Z.
+INFORMER_MODULES = (CLIENT_GO, "k8s.io/apimachinery", "k8s.io/api")
 ETCD_MODULE = "go.etcd.io/etcd/server/v3"
 # v3.6.13 is the oldest 3.6 the proxy is known to serve; kubeadm 1.36 wants etcd >= 3.6.
 ETCD_MIN = (3, 6, 13)
@@ -104,40 +123,82 @@ def find_binaries(version: str, root: Path | None = None) -> Path | None:
     return None
 
 
+def informer_source_digest() -> str:
+    """sha256 of tests/realk8s/informer/main.go: the informer is rebuilt when it changes
+    (the file ``informer.sha256`` beside the binary records what it was built from)."""
+    return hashlib.sha256((WRAPPERS / INFORMER / "main.go").read_bytes()).hexdigest()
+
+
+def find_informer(version: str, root: Path | None = None) -> Path | None:
+    """The informer built against ``version``'s client-go from the current main.go:
+    from the first candidate directory that has it as an executable file with a
+    matching ``informer.sha256``, else None (not built, or built from older source)."""
+    root = cache_root() if root is None else root
+    digest = informer_source_digest()
+    for directory in candidate_dirs(root, version):
+        binary = directory / INFORMER
+        stamp = directory / f"{INFORMER}.sha256"
+        if (binary.is_file() and os.access(binary, os.X_OK) and stamp.is_file()
+                and stamp.read_text().strip() == digest):
+            return binary
+    return None
+
+
 def plan(versions: Iterable[str], root: Path) -> dict[str, list[str]]:
-    """For each requested version, the binaries still to build into
-    :func:`version_dir`; empty when a candidate directory already has them all
-    (then nothing runs for that version)."""
+    """For each requested version, what is still to build into :func:`version_dir`:
+    the servers missing there unless a candidate directory has all three, then the
+    informer unless one is found. Empty: nothing runs for that version."""
     todo: dict[str, list[str]] = {}
     for version in versions:
         key = normalize(version)
-        todo[key] = [] if find_binaries(key, root) else missing_binaries(version_dir(root, key))
+        servers = [] if find_binaries(key, root) else missing_binaries(version_dir(root, key))
+        todo[key] = servers + ([] if find_informer(key, root) else [INFORMER])
     return todo
 
 
+def staging_tag(version: str) -> str:
+    """A staging module's tag for Kubernetes ``version``: 1.36.3 -> ``v0.36.3``."""
+    _, minor, patch = parse_version(version)
+    return f"v0.{minor}.{patch}"
+
+
 def generate_gomod(kube_gomod: Mapping[str, Any], version: str,
-                   module: str = "mvproxy.test/realk8s") -> str:
-    """Our module's go.mod text from ``go mod edit -json`` of ``k8s.io/kubernetes@vX.Y.Z``'s
-    go.mod: require the tag, replace each ``v0.0.0`` requirement (the staging modules,
-    indirect ones included) with ``v0.Y.Z``, and copy the ``go`` and ``godebug`` lines
-    (the tag was tested with those defaults). Other requirements are left to MVS."""
+                   module: str = "mvproxy.test/realk8s",
+                   source: str = "k8s.io/kubernetes") -> str:
+    """Our module's go.mod text from ``go mod edit -json`` of ``source``'s go.mod at
+    ``version`` (k8s.io/kubernetes at ``vX.Y.Z``, a staging module such as client-go at
+    ``v0.Y.Z``): require that tag, replace each ``v0.0.0`` requirement (the staging
+    modules, indirect ones included) with ``v0.Y.Z``, and copy the ``go`` and ``godebug``
+    lines (the tag was tested with those defaults). Other requirements are left to MVS."""
     major, minor, patch = parse_version(version)
+    tag = f"v{major}.{minor}.{patch}" if source == "k8s.io/kubernetes" else staging_tag(version)
     staging = sorted({req["Path"] for req in kube_gomod.get("Require") or ()
                       if req.get("Version") == "v0.0.0"})
-    lines = [f"// Generated by scripts/kube_binaries.py from k8s.io/kubernetes@v{major}.{minor}."
-             f"{patch}'s go.mod. Do not edit.",
+    lines = [f"// Generated by scripts/kube_binaries.py from {source}@{tag}'s go.mod."
+             " Do not edit.",
              f"module {module}", ""]
     if kube_gomod.get("Go"):
         lines += [f"go {kube_gomod['Go']}", ""]
     godebug = kube_gomod.get("GoDebug") or kube_gomod.get("Godebug") or ()
     if godebug:
         lines += [f"godebug {entry['Key']}={entry['Value']}" for entry in godebug] + [""]
-    lines += [f"require k8s.io/kubernetes v{major}.{minor}.{patch}", ""]
+    lines += [f"require {source} {tag}", ""]
     if staging:
         lines.append("replace (")
         lines += [f"\t{path} => {path} v0.{minor}.{patch}" for path in staging]
         lines.append(")")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def generate_informer_gomod(client_go_gomod: Mapping[str, Any], version: str) -> str:
+    """The informer module's go.mod, from client-go ``v0.Y.Z``'s own go.mod."""
+    return generate_gomod(client_go_gomod, version, module="mvproxy.test/realinformer",
+                          source=CLIENT_GO)
+
+
+def informer_modules_expected(version: str) -> str:
+    """What ``informer --client-go-version`` must print for ``version``."""
+    return "\n".join(f"{path} {staging_tag(version)}" for path in INFORMER_MODULES)
 
 
 def generate_etcd_gomod(etcd_gomod: Mapping[str, Any], version: str,
@@ -278,6 +339,30 @@ def build_kube(version: str, names: list[str], root: Path) -> None:
         _done(f"{key}: {name} ({_check_version(version_dir(root, key) / name, key)})", started)
 
 
+def build_informer(version: str, root: Path) -> Path:
+    """Generate ``<root>/build/informer-<version>`` from client-go ``v0.Y.Z``'s go.mod,
+    tidy it, build the informer into the version's directory and check that it links
+    client-go, apimachinery and api at ``v0.Y.Z``."""
+    key = normalize(version)
+    started = _step(f"{key}: building the informer against {CLIENT_GO}@{staging_tag(key)}")
+    digest = informer_source_digest()
+    module = root / "build" / f"informer-{key}"
+    _module_dir(module, generate_informer_gomod(_gomod_json(CLIENT_GO, staging_tag(key)), key),
+                (INFORMER,))
+    _run_go(["mod", "tidy"], cwd=module)
+    binary = version_dir(root, key) / INFORMER
+    _build(module, INFORMER, binary, "-s -w")
+    printed = subprocess.run([str(binary), "--client-go-version"], capture_output=True,
+                             text=True, timeout=60, check=False).stdout.strip()
+    if printed != informer_modules_expected(key):
+        binary.unlink(missing_ok=True)
+        raise BuildError(f"informer --client-go-version printed {printed!r}")
+    # Written last: a binary without a matching digest is rebuilt.
+    (binary.parent / f"{INFORMER}.sha256").write_text(digest + "\n")
+    _done(f"{key}: informer ({printed.splitlines()[0]})", started)
+    return binary
+
+
 def build_etcd(root: Path) -> Path:
     """etcd at the newest v3.6.z the proxy serves, built once into
     ``<root>/etcd/<version>/etcd`` (every Kubernetes version links to it)."""
@@ -337,6 +422,8 @@ def main(argv: list[str]) -> int:
             if "etcd" in names:
                 etcd = etcd or build_etcd(root)
                 _link(etcd, version_dir(root, version) / "etcd")
+            if INFORMER in names:
+                build_informer(version, root)
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             failed[version] = str(exc)
             print(f"kube-binaries: {version} could not be built: {exc}", flush=True)
