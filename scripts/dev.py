@@ -15,8 +15,9 @@ tests.
 ``kubectl [X.Y]`` downloads the test suite's pinned kubectl into ``.tools/`` and prints
 its path (for a machine with no kubectl).
 ``kube-binaries [VERSIONS]`` builds real kube-apiserver, kube-controller-manager and
-etcd from Go modules into ``$MVPROXY_KUBE_BINARIES`` (default ``~/.cache/mvproxy/kube``;
-see ``scripts/kube_binaries.py``); it needs Go, not the venv.
+etcd from Go modules, and the tests' client-go informer, into ``$MVPROXY_KUBE_BINARIES``
+(default ``~/.cache/mvproxy/kube``; see ``scripts/kube_binaries.py``); it needs Go, not
+the venv.
 """
 
 from __future__ import annotations
