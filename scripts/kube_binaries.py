@@ -13,7 +13,9 @@ has, and the next release will differ again.
 The cache (``$MVPROXY_KUBE_BINARIES``, default ``${XDG_CACHE_HOME:-~/.cache}/mvproxy/kube``) has
 controller-runtime envtest's layout: ``<root>/<version>/{kube-apiserver,
 kube-controller-manager,etcd}``; :func:`find_binaries` also accepts ``v<version>`` and
-setup-envtest's ``k8s/<version>-<os>-<arch>`` directories. Build modules live under
+setup-envtest's ``k8s/<version>-<os>-<arch>`` directories. That lookup lives in
+``mvproxy/devcluster/kubebinaries.py`` (stdlib only, loaded here by path), so
+``mvproxy demo --real`` finds what this script builds. Build modules live under
 ``<root>/build/``; the module and build caches are Go's own (``go env GOMODCACHE
 GOCACHE``). A version whose binaries are all present is not touched (no Go run).
 
@@ -37,9 +39,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.util
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -52,10 +54,31 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPERS = ROOT / "tests" / "realk8s"
+
+
+def _finder() -> Any:
+    """mvproxy's cache lookup, loaded from its file: no package import, no venv needed."""
+    path = ROOT / "mvproxy" / "devcluster" / "kubebinaries.py"
+    spec = importlib.util.spec_from_file_location("mvproxy_kubebinaries", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_lookup = _finder()
+ENV_ROOT: str = _lookup.ENV_ROOT
+KUBE_BINARIES: tuple[str, ...] = _lookup.KUBE_BINARIES
+BINARIES: tuple[str, ...] = _lookup.BINARIES
+cache_root = _lookup.cache_root
+parse_version = _lookup.parse_version
+normalize = _lookup.normalize
+version_dir = _lookup.version_dir
+candidate_dirs = _lookup.candidate_dirs
+missing_binaries = _lookup.missing_binaries
+find_binaries = _lookup.find_binaries
+
 DEFAULT_VERSIONS = ("1.35.4", "1.36.3", "1.37.2")
-ENV_ROOT = "MVPROXY_KUBE_BINARIES"
-KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager")
-BINARIES = (*KUBE_BINARIES, "etcd")
 INFORMER = "informer"
 CLIENT_GO = "k8s.io/client-go"
 # What ``informer --client-go-version`` prints, each at v0.Y.Z.
@@ -67,60 +90,6 @@ ETCD_MIN = (3, 6, 13)
 # /version says v0.0.0-master+$Format:%H$.
 VERSION_PKG = "k8s.io/component-base/version"
 TIMEOUT = 3600
-
-
-def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
-    """``$MVPROXY_KUBE_BINARIES`` if set, else ``~/.cache/mvproxy/kube`` (outside the clone)."""
-    if environ.get(ENV_ROOT):
-        return Path(environ[ENV_ROOT]).expanduser()
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mvproxy" / "kube"
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    """``1.36.3`` or ``v1.36.3`` as (1, 36, 3); ValueError for anything else."""
-    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", text.strip())
-    if not match:
-        raise ValueError(f"not a Kubernetes version X.Y.Z: {text!r}")
-    major, minor, patch = (int(part) for part in match.groups())
-    return major, minor, patch
-
-
-def normalize(text: str) -> str:
-    """The cache key: ``1.36.3`` (envtest names its directories without the ``v``)."""
-    return "%d.%d.%d" % parse_version(text)
-
-
-def version_dir(root: Path, version: str) -> Path:
-    """Where this script puts a version's binaries."""
-    return root / normalize(version)
-
-
-def candidate_dirs(root: Path, version: str) -> list[Path]:
-    """The directories that may hold a version's binaries, in lookup order: ours,
-    ``v``-prefixed, and setup-envtest's ``k8s/<version>-<os>-<arch>``."""
-    key = normalize(version)
-    osname = sys.platform  # linux, darwin: the names setup-envtest uses
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
-    return [root / key, root / f"v{key}", root / "k8s" / f"{key}-{osname}-{arch}",
-            root / f"{key}-{osname}-{arch}"]
-
-
-def missing_binaries(directory: Path) -> list[str]:
-    """Which of kube-apiserver, kube-controller-manager and etcd are not executable files
-    in ``directory``."""
-    return [name for name in BINARIES
-            if not ((directory / name).is_file() and os.access(directory / name, os.X_OK))]
-
-
-def find_binaries(version: str, root: Path | None = None) -> Path | None:
-    """The first candidate directory holding all three binaries for ``version``, else
-    None. What the tests and ``mvproxy demo --real`` will look up."""
-    root = cache_root() if root is None else root
-    for directory in candidate_dirs(root, version):
-        if not missing_binaries(directory):
-            return directory
-    return None
 
 
 def informer_source_digest() -> str:
