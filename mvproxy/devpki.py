@@ -1,8 +1,10 @@
 """Development PKI generation: the CAs and certificates of a demo or test cluster.
 
 ``init_pki`` writes a self-contained layout (cluster CA, front-proxy CA, admin client,
-and per-server serving / peer / front-proxy-client certificates, ``certs/README.md``)
-with private keys that are never world-readable. ``mvproxy certs init``, the demo and
+and per-server serving / peer / front-proxy-client certificates, optionally a
+service-account key pair; ``certs/README.md``) with private keys that are never
+world-readable. ``issue_client_certificate`` adds a user certificate signed by its
+cluster CA. ``mvproxy certs init``, the demo and
 the tests use it; the daemon never does (it reads certificates through ``tls``), so
 this module stays off the request path.
 
@@ -17,21 +19,21 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mvproxy.config import SERVER_ID_RE
 from mvproxy.errors import PKIError
 from mvproxy.tls import StrPath
 
-__all__ = ["init_pki"]
+__all__ = ["init_pki", "issue_client_certificate"]
 
 #: Certificates are back-dated by this much so a peer whose clock is slightly behind
 #: does not reject a freshly generated certificate as "not yet valid".
@@ -66,6 +68,10 @@ TOP_LEVEL_FILES = (
     "admin.crt",
     "admin.key",
 )
+#: The service-account key pair (``service_account_key=True``), named as kubeadm names it.
+SERVICE_ACCOUNT_FILES = ("sa.key", "sa.pub")
+#: Where ``issue_client_certificate`` writes ``<name>.crt`` and ``<name>.key``.
+USERS_DIR = "users"
 #: Files in an existing directory that init_pki keeps and ignores when deciding
 #: whether the directory is "empty" (the repository ships ``certs/README.md``).
 PRESERVED_FILES = ("README.md",)
@@ -241,6 +247,25 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
     os.chmod(path, 0o644)  # exact mode whatever the umask
 
 
+def _write_service_account_keys(root: Path) -> list[Path]:
+    """RSA 2048, as kubeadm writes it: ``sa.key`` (PKCS#1, 0600) and ``sa.pub`` (SPKI).
+    kube-apiserver signs service-account tokens with it; every server shares it."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    written = []
+    for name, data, mode in (("sa.key", private, 0o600), ("sa.pub", public, 0o644)):
+        fd = os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(root / name, mode)
+        written.append(root / name)
+    return written
+
+
 def _write_pair(directory: Path, stem: str, issued: _Issued) -> list[Path]:
     cert_path, key_path = directory / f"{stem}.crt", directory / f"{stem}.key"
     _write_cert(cert_path, issued.cert)
@@ -254,7 +279,8 @@ def _server_hosts(server_id: str, hosts: Sequence[str]) -> list[str]:
 
 
 def _generate_layout(
-    root: Path, server_ids: Sequence[str], hosts: Sequence[str], days: int
+    root: Path, server_ids: Sequence[str], hosts: Sequence[str], days: int,
+    server_hosts: Mapping[str, Sequence[str]], service_account_key: bool,
 ) -> list[str]:
     """Write the whole PKI under ``root``; returns paths relative to ``root``."""
     now = datetime.now(UTC).replace(microsecond=0)
@@ -270,8 +296,9 @@ def _generate_layout(
         sub = root / server_id
         sub.mkdir()
         os.chmod(sub, 0o755)
-        apiserver_hosts = [*hosts, *LOOPBACK_HOSTS, *KUBERNETES_SERVICE_HOSTS]
-        mvproxy_hosts = _server_hosts(server_id, hosts)
+        own = [*server_hosts.get(server_id, ()), *hosts]
+        apiserver_hosts = [*own, *LOOPBACK_HOSTS, *KUBERNETES_SERVICE_HOSTS]
+        mvproxy_hosts = _server_hosts(server_id, own)
         leaves = {
             "apiserver": _make_leaf(
                 ca, APISERVER_CN, [server_auth], now, days, hosts=apiserver_hosts
@@ -283,6 +310,8 @@ def _generate_layout(
         }
         for stem, issued in leaves.items():
             written += _write_pair(sub, stem, issued)
+    if service_account_key:
+        written += _write_service_account_keys(root)
     return [str(p.relative_to(root)) for p in written]
 
 
@@ -302,7 +331,7 @@ def _foreign_content(directory: Path) -> list[str]:
     A server-ID directory counts as ours only if it holds nothing but our pairs, so a
     mistyped DIR (a project folder, a home directory) is never wiped.
     """
-    ours = _pair_names(_TOP_LEVEL_STEMS)
+    ours = _pair_names(_TOP_LEVEL_STEMS) | set(SERVICE_ACCOUNT_FILES)
     per_server = _pair_names(_SERVER_STEMS + _OLD_SERVER_STEMS)
     foreign = []
     for entry in directory.iterdir():
@@ -311,6 +340,9 @@ def _foreign_content(directory: Path) -> list[str]:
         children = [c.name for c in entry.iterdir()] if entry.is_dir() and \
             not entry.is_symlink() else []
         if children and all(name in per_server for name in children):
+            continue
+        if entry.name == USERS_DIR and all(name.endswith((".crt", ".key"))
+                                           for name in children):
             continue
         foreign.append(entry.name)
     return sorted(foreign)
@@ -347,8 +379,15 @@ def init_pki(
     hosts: Sequence[str] = (),
     days: int = 365,
     force: bool = False,
+    *,
+    server_hosts: Mapping[str, Sequence[str]] | None = None,
+    service_account_key: bool = False,
 ) -> list[Path]:
     """Generate a development PKI under ``directory``; returns the files written.
+
+    ``hosts`` are extra SANs of every server's certificates, ``server_hosts`` (server
+    ID -> hosts) of one server's only (e.g. its own 127.0.0.x). ``service_account_key``
+    adds ``sa.key``/``sa.pub`` (RSA), the key pair kube-apiserver signs tokens with.
 
     Everything is generated in a sibling temporary directory and renamed into place, so
     an error never leaves a half-written PKI behind. An existing directory is only
@@ -360,7 +399,14 @@ def init_pki(
     if isinstance(hosts, str):
         raise PKIError(f"hosts must be a list of names, not the string {hosts!r}")
     hosts = list(hosts)
-    _san(_server_hosts(ids[0], hosts))  # validate hosts before touching the disk
+    own_hosts = {sid: list(h) for sid, h in (server_hosts or {}).items()}
+    unknown = sorted(set(own_hosts) - set(ids))
+    if unknown:
+        raise PKIError(f"server_hosts names unknown server ID(s) {', '.join(unknown)}")
+    for sid in ids:  # validate hosts before touching the disk
+        if isinstance(own_hosts.get(sid), str):
+            raise PKIError(f"hosts of {sid} must be a list of names, not a string")
+        _san(_server_hosts(sid, [*own_hosts.get(sid, ()), *hosts]))
 
     if directory.exists() and not directory.is_dir():
         raise PKIError(f"{directory} exists and is not a directory")
@@ -386,7 +432,7 @@ def init_pki(
         raise PKIError(f"cannot create {directory}: {e.strerror or e}") from e
     try:
         os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide certificates; keys stay 0600
-        relative = _generate_layout(staging, ids, hosts, days)
+        relative = _generate_layout(staging, ids, hosts, days, own_hosts, service_account_key)
         if directory.is_dir():
             for name in PRESERVED_FILES:
                 if (directory / name).is_file():
@@ -406,3 +452,53 @@ def init_pki(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return [directory / rel for rel in relative]
+
+
+def _load_ca(directory: Path) -> _Issued:
+    """The cluster CA of an ``init_pki`` directory, for signing more certificates."""
+    try:
+        cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    except (OSError, ValueError, TypeError) as e:
+        raise PKIError(f"cannot read the cluster CA in {directory} (ca.crt, ca.key): {e}") from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PKIError(f"{directory / 'ca.key'} is not the ECDSA key mvproxy certs init writes")
+    return _Issued(cert, key)
+
+
+def issue_client_certificate(
+    directory: StrPath,
+    name: str,
+    common_name: str,
+    organizations: Sequence[str] = (),
+    days: int = 365,
+) -> tuple[Path, Path]:
+    """Sign a user's client certificate with the cluster CA of the ``init_pki``
+    directory ``directory``: ``users/<name>.crt`` and ``.key`` (replaced if present).
+
+    The user is ``common_name`` and its groups ``organizations``, as kube-apiserver
+    reads them (e.g. ``system:kube-controller-manager``, or a user in no group).
+    Returns (certificate, key).
+    """
+    root = Path(directory)
+    if not SERVER_ID_RE.fullmatch(name or ""):
+        raise PKIError(f"invalid certificate name {name!r}: use lowercase letters, digits, "
+                       "'-' and '.'")
+    if not isinstance(common_name, str) or not common_name.strip():
+        raise PKIError(f"invalid common name {common_name!r}")
+    if isinstance(organizations, str):
+        raise PKIError(f"organizations must be a list, not the string {organizations!r}")
+    days = _validate_days(days)
+    ca = _load_ca(root)
+    now = datetime.now(UTC).replace(microsecond=0)
+    issued = _make_leaf(ca, common_name, [ExtendedKeyUsageOID.CLIENT_AUTH], now, days,
+                        organizations=list(organizations))
+    users = root / USERS_DIR
+    try:
+        users.mkdir(mode=0o755, exist_ok=True)
+        for ext in ("crt", "key"):
+            (users / f"{name}.{ext}").unlink(missing_ok=True)
+        cert_path, key_path = _write_pair(users, name, issued)
+    except OSError as e:
+        raise PKIError(f"cannot write {users / name}.crt: {e.strerror or e}") from e
+    return cert_path, key_path

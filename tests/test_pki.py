@@ -543,3 +543,66 @@ def test_force_never_deletes_files_it_did_not_write(tmp_path):
     with pytest.raises(PKIError, match="notes.txt, src"):
         init_pki(target, ["apiserver-a"], force=True)
     assert (target / "notes.txt").read_text() == "keep me" and (target / "src").is_dir()
+
+
+# --------------------------------------------------------------------------- real-server extras
+
+
+def test_server_hosts_go_to_that_server_only(tmp_path: Path) -> None:
+    """Each kube-apiserver of ``mvproxy demo --real`` has its own 127.0.0.x."""
+    directory = tmp_path / "certs"
+    init_pki(directory, SERVER_IDS, ["10.96.0.1"],
+             server_hosts={"apiserver-a": ["127.0.0.2"], "apiserver-b": ["127.0.0.3"]})
+    for sid, own, other in (("apiserver-a", "127.0.0.2", "127.0.0.3"),
+                            ("apiserver-b", "127.0.0.3", "127.0.0.2")):
+        for stem in ("apiserver", "mvproxy"):
+            _, ips = san(load(directory / sid / f"{stem}.crt"))
+            assert {own, "10.96.0.1", "127.0.0.1"} <= ips and other not in ips, (sid, stem)
+    with pytest.raises(PKIError, match="apiserver-z"):
+        init_pki(tmp_path / "bad", SERVER_IDS, server_hosts={"apiserver-z": ["127.0.0.9"]})
+    with pytest.raises(PKIError, match="invalid host"):
+        init_pki(tmp_path / "bad", SERVER_IDS, server_hosts={"apiserver-a": ["no_such host"]})
+    assert not (tmp_path / "bad").exists()
+
+
+def test_service_account_key_pair_is_rsa_and_survives_force(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    directory = tmp_path / "certs"
+    written = init_pki(directory, ["apiserver-a"], service_account_key=True)
+    assert {directory / "sa.key", directory / "sa.pub"} <= set(written)
+    key = serialization.load_pem_private_key((directory / "sa.key").read_bytes(), None)
+    assert isinstance(key, rsa.RSAPrivateKey) and key.key_size == 2048
+    assert (directory / "sa.key").read_text().startswith("-----BEGIN RSA PRIVATE KEY")
+    public = serialization.load_pem_public_key((directory / "sa.pub").read_bytes())
+    assert public.public_numbers() == key.public_key().public_numbers()
+    assert stat.S_IMODE((directory / "sa.key").stat().st_mode) == 0o600
+    # --force recognises the pair (and users/) as its own, and writes a new one.
+    from mvproxy.devpki import issue_client_certificate
+    issue_client_certificate(directory, "alice", "alice")
+    init_pki(directory, ["apiserver-a"], force=True, service_account_key=True)
+    again = serialization.load_pem_private_key((directory / "sa.key").read_bytes(), None)
+    assert again.public_key().public_numbers() != key.public_key().public_numbers()
+    assert not (directory / "users").exists()
+
+
+def test_issued_client_certificate_names_the_user_and_chains_to_the_ca(tmp_path: Path) -> None:
+    from mvproxy.devpki import issue_client_certificate
+
+    directory = tmp_path / "certs"
+    init_pki(directory, ["apiserver-a"])
+    crt, key = issue_client_certificate(directory, "kcm", "system:kube-controller-manager")
+    assert (crt, key) == (directory / "users/kcm.crt", directory / "users/kcm.key")
+    cert = load(crt)
+    der = cert.public_bytes(serialization.Encoding.DER)
+    assert subject_identity(der) == ("system:kube-controller-manager", ())
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    cert.verify_directly_issued_by(load(directory / "ca.crt"))
+    crt, _ = issue_client_certificate(directory, "bob", "bob", ["dev", "ops"])  # a second one
+    assert subject_identity(load(crt).public_bytes(serialization.Encoding.DER)) == \
+        ("bob", ("dev", "ops"))
+    with pytest.raises(PKIError, match="invalid certificate name"):
+        issue_client_certificate(directory, "../x", "x")
+    with pytest.raises(PKIError, match="cluster CA"):
+        issue_client_certificate(tmp_path / "nothing", "x", "x")
