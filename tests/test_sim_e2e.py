@@ -13,6 +13,7 @@ import functools
 import glob
 import http.client
 import json
+import signal
 import ssl
 import subprocess
 import sys
@@ -568,6 +569,58 @@ def test_stop_ends_the_whole_process_group(tmp_path) -> None:
         time.sleep(0.05)
     else:
         raise AssertionError(f"grandchild {grandchild} survived stop()")
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid: int, wanted: set[str]) -> str:
+    for _ in range(100):
+        state = _state(pid)
+        if state in wanted:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} is in state {_state(pid)}, not {wanted}")
+
+
+def test_freeze_resume_and_kill(tmp_path) -> None:
+    """freeze() stops the process (SIGSTOP), resume() continues it, kill() ends it at
+    once; stop() also ends a frozen process."""
+    from mvproxy.devcluster.launcher import ManagedProcess
+
+    marker = tmp_path / "ignoring"
+    script = ("import pathlib, signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "pathlib.Path(sys.argv[1]).touch()\n"
+              "time.sleep(60)\n")
+    proc = ManagedProcess([sys.executable, "-c", script, marker], "sleeper", tmp_path)
+
+    def ignoring_sigterm() -> None:
+        for _ in range(200):
+            if marker.exists():
+                return
+            time.sleep(0.05)
+        raise AssertionError("the child never started")
+
+    with proc:
+        assert proc.pid is not None
+        ignoring_sigterm()
+        proc.freeze()
+        _wait_state(proc.pid, {"T"})
+        proc.resume()
+        _wait_state(proc.pid, {"S", "R"})
+        started = time.monotonic()
+        assert proc.kill() == -signal.SIGKILL  # it ignores SIGTERM: no 10 s wait
+        assert time.monotonic() - started < 5 and not proc.running
+        marker.unlink()
+        proc.start()
+        ignoring_sigterm()
+        proc.freeze()
+        _wait_state(proc.pid, {"T"})
+        assert proc.stop(timeout=1) == -signal.SIGKILL
+    proc.freeze()  # not running: nothing to do
+    proc.resume()
 
 
 def test_wait_ready_reports_an_early_exit_with_its_log(tmp_path) -> None:

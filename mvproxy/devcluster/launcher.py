@@ -169,6 +169,23 @@ class ManagedProcess:
             pass
         return proc.returncode
 
+    def kill(self, timeout: float = 10.0) -> int | None:
+        """SIGKILL the process group at once (no graceful shutdown), then reap it."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal_group(signal.SIGKILL)
+        return self.stop(timeout)
+
+    def freeze(self) -> None:
+        """SIGSTOP the process group: it keeps its sockets open but answers nothing
+        (``resume`` continues it; ``stop`` and ``kill`` work on a frozen process)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the process group after ``freeze``."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal_group(signal.SIGCONT)
+
     def __enter__(self) -> ManagedProcess:
         if self._proc is None:
             self.start()
