@@ -171,16 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the demo keeps its PKI, kubeconfig, store, logs and audit "
                            "logs (store, logs and audit logs start afresh each run) "
                            "(default: %(default)s)")
-    demo.add_argument("--versions", default="1.35,1.35,1.36", metavar="X.Y,...",
+    demo.add_argument("--versions", metavar="X.Y,...",
                       help="one kube-apiserver per entry, of that release "
-                           "(1.31-1.37), each behind its own mvproxy (default: %(default)s)")
+                           "(1.31-1.37), each behind its own mvproxy; with --real, full "
+                           "releases started oldest first (default: 1.35,1.35,1.36; with "
+                           "--real 1.35.4,1.36.3)")
     demo.add_argument("--base-port", type=int, default=16443, metavar="N",
                       help="loopback ports: mvproxy i on N+i, its kube-apiserver on N+100+i, "
-                           "its admin listener on N+200+i; 0 picks free ports "
-                           "(default: %(default)s)")
+                           "its admin listener on N+200+i (with --real also etcd on N+300 "
+                           "and N+301); 0 picks free ports (default: %(default)s)")
     demo.add_argument("--membership", choices=("static", "leases"), default="static",
                       help="how the mvproxies find each other: static peers or "
                            "Leases through their kube-apiservers (default: %(default)s)")
+    demo.add_argument("--real", action="store_true",
+                      help="real etcd and kube-apiservers instead of the simulator, each "
+                           "server on its own 127.0.0.x; needs binaries built by "
+                           "`python3 scripts/dev.py kube-binaries` (default: off)")
+    demo.add_argument("--kube-binaries", metavar="DIR",
+                      help="with --real: where the binaries are, as "
+                           "DIR/<version>/{kube-apiserver,kube-controller-manager,etcd} "
+                           "(default: $MVPROXY_KUBE_BINARIES, else ~/.cache/mvproxy/kube)")
     return parser
 
 

@@ -37,8 +37,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -100,7 +100,8 @@ def server_id(index: int) -> str:
 
 @dataclass
 class ServerInfo:
-    """One control-plane member: a simulated kube-apiserver and the mvproxy in front."""
+    """One control-plane member: a kube-apiserver (simulated, or real with ``--real``)
+    and the mvproxy in front, both listening on ``host``."""
 
     id: str
     version: str
@@ -108,21 +109,47 @@ class ServerInfo:
     backend_port: int
     admin_port: int
     proxy: ManagedProcess  # `mvproxy run`; may be stopped and started again
-    backend: SimProcess  # `mvproxy sim`; likewise
+    backend: ManagedProcess  # `mvproxy sim` (a SimProcess) or kube-apiserver; likewise
     config: Path  # the MvproxyConfiguration file of the mvproxy
     audit_log: Path  # the backend's JSON-lines audit log
+    host: str = HOST
 
     @property
     def proxy_url(self) -> str:
-        return f"https://{HOST}:{self.proxy_port}"
+        return f"https://{self.host}:{self.proxy_port}"
 
     @property
     def backend_url(self) -> str:
-        return f"https://{HOST}:{self.backend_port}"
+        return f"https://{self.host}:{self.backend_port}"
 
     @property
     def admin_url(self) -> str:
-        return f"http://{HOST}:{self.admin_port}"
+        return f"http://{self.host}:{self.admin_port}"
+
+    @property
+    def context(self) -> str:
+        """The kubeconfig context through this server's mvproxy."""
+        return self.id
+
+    @property
+    def direct_context(self) -> str:
+        """The kubeconfig context straight to its kube-apiserver, bypassing mvproxy."""
+        return f"{self.id}-direct"
+
+
+@dataclass(frozen=True)
+class Showcase:
+    """What the guide shows off: a resource only the newest servers serve, listed
+    through an older server's mvproxy and (with an example manifest) created there."""
+
+    group: str
+    version: str
+    resource: str  # plural, as kubectl api-resources names it
+    title: str = ""  # how the guide names them ("PodGroups"); default: the resource
+    example: Path | None = None  # a manifest of that resource to create
+
+
+PODGROUPS = Showcase("scheduling.k8s.io", "v1alpha2", "podgroups", "PodGroups")
 
 
 @dataclass
@@ -137,6 +164,8 @@ class DemoCluster:
     store: Path
     tokens: dict[str, str]  # kubeconfig user -> bearer token ("admin-token", "viewer-token")
     state_file: Path  # demo.json
+    showcase: Showcase | None = None  # what the guide demonstrates (None: plain commands)
+    shared_store: str = "one store"  # what the servers share, as the guide says it
 
     # ------------------------------------------------------------------ lookup
 
@@ -212,7 +241,8 @@ class DemoCluster:
     def debug_state(self, sid: str) -> dict[str, Any] | None:
         """One mvproxy's ``/debug/mvproxy`` document, or None if it does not answer."""
         server = self.server(sid)
-        conn = http.client.HTTPConnection(HOST, server.admin_port, timeout=PROBE_TIMEOUT)
+        conn = http.client.HTTPConnection(server.host, server.admin_port,
+                                          timeout=PROBE_TIMEOUT)
         try:
             conn.request("GET", "/debug/mvproxy")
             response = conn.getresponse()
@@ -226,36 +256,42 @@ class DemoCluster:
         finally:
             conn.close()
 
-    def _unconverged(self) -> dict[str, list[str]]:
+    def _unconverged(self, polled_since: float | None = None) -> dict[str, list[str]]:
         """Running mvproxy -> what it should see but does not (empty: all converged).
 
         An mvproxy should see its backend if that is running, and each peer whose
-        mvproxy and backend are both running.
+        mvproxy and backend are both running; with ``polled_since`` (a
+        ``time.monotonic()``), through a poll that succeeded after that moment.
         """
         up = {s.id for s in self.servers if s.proxy.running and s.backend.running}
         missing: dict[str, list[str]] = {}
         for server in self.servers:
             if not server.proxy.running:
                 continue
+            asked = time.monotonic()
             state = self.debug_state(server.id)
             if state is None:
                 missing[server.id] = ["its admin listener (/debug/mvproxy)"]
                 continue
+            max_age = None if polled_since is None else asked - polled_since
             lacks = []
-            if server.backend.running and not _sees(state.get("backend")):
+            if server.backend.running and not _sees(state.get("backend"), max_age):
                 lacks.append("its backend")
             peers = state.get("peers") or {}
             lacks += [f"peer {p}" for p in sorted(up - {server.id})
-                      if not _sees(peers.get(p))]
+                      if not _sees(peers.get(p), max_age)]
             if lacks:
                 missing[server.id] = lacks
         return missing
 
-    def wait_converged(self, timeout: float = READY_TIMEOUT) -> None:
-        """Wait until every running mvproxy has discovery from everything running."""
+    def wait_converged(self, timeout: float = READY_TIMEOUT, *,
+                       polled_since: float | None = None) -> None:
+        """Wait until every running mvproxy has discovery from everything running
+        (with ``polled_since``: discovery polled after that ``time.monotonic()``, e.g.
+        once a kube-apiserver was replaced)."""
         deadline = time.monotonic() + timeout
         while True:
-            missing = self._unconverged()
+            missing = self._unconverged(polled_since)
             if not missing:
                 return
             if time.monotonic() >= deadline:
@@ -294,9 +330,13 @@ class DemoCluster:
         _write_atomic(self.state_file, json.dumps(self.state(), indent=2) + "\n", 0o600)
 
 
-def _sees(state: object) -> bool:
-    return isinstance(state, dict) and bool(state.get("reachable")) \
-        and bool(state.get("hasSnapshot"))
+def _sees(state: object, max_age: float | None = None) -> bool:
+    if not (isinstance(state, dict) and state.get("reachable") and state.get("hasSnapshot")):
+        return False
+    if max_age is None:
+        return True
+    age = state.get("secondsSinceSuccess")
+    return isinstance(age, (int, float)) and age <= max_age
 
 
 # --------------------------------------------------------------------------- validation
@@ -318,30 +358,35 @@ def parse_versions(versions: str | Sequence[str]) -> list[str]:
     return items
 
 
-def _port_taken(port: int) -> bool:
+def port_taken(port: int, host: str = HOST) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
         try:
-            s.bind((HOST, port))
+            s.bind((host, port))
         except OSError:
             return True
     return False
 
 
-def allocate_ports(base_port: int, count: int) -> list[tuple[int, int, int]]:
-    """(mvproxy, kube-apiserver, admin) ports per server; UsageError if one is taken."""
+def allocate_ports(base_port: int, count: int,
+                   hosts: Sequence[str] | None = None) -> list[tuple[int, int, int]]:
+    """(mvproxy, kube-apiserver, admin) ports per server, each checked on that server's
+    host (``hosts``, default 127.0.0.1 for all); UsageError if one is taken."""
+    where = list(hosts) if hosts is not None else [HOST] * count
+    if len(where) != count:
+        raise ValueError(f"{count} servers but {len(where)} hosts")
     if base_port == 0:
         chosen: set[int] = set()
 
-        def pick() -> int:
+        def pick(host: str) -> int:
             for _ in range(100):
-                port = free_port(HOST)
+                port = free_port(host)
                 if port not in chosen:
                     chosen.add(port)
                     return port
-            raise DemoError("cannot find enough free ports on 127.0.0.1")
+            raise DemoError(f"cannot find enough free ports on {host}")
 
-        return [(pick(), pick(), pick()) for _ in range(count)]
+        return [(pick(h), pick(h), pick(h)) for h in where]
     highest = base_port + ADMIN_PORT_OFFSET + count - 1
     if base_port < 1 or highest > 65535:
         top = 65535 - ADMIN_PORT_OFFSET - count + 1
@@ -349,16 +394,19 @@ def allocate_ports(base_port: int, count: int) -> list[tuple[int, int, int]]:
                          f"uses {base_port}..{highest}); pick 1..{top}, or 0 for free ports")
     ports = [(base_port + i, base_port + BACKEND_PORT_OFFSET + i,
               base_port + ADMIN_PORT_OFFSET + i) for i in range(count)]
-    taken = [p for triple in ports for p in triple if _port_taken(p)]
+    taken = [p for triple, host in zip(ports, where, strict=True) for p in triple
+             if port_taken(p, host)]
     if taken:
+        shown = ", ".join(sorted(set(where)))
         raise UsageError(f"port{'s' if len(taken) > 1 else ''} "
-                         f"{', '.join(map(str, taken))} on {HOST} already in use; "
+                         f"{', '.join(map(str, taken))} on {shown} already in use; "
                          f"pick another --base-port (the demo uses {base_port}..{highest}), "
                          f"or --base-port 0 for free ports")
     return ports
 
 
-def _pid_alive(pid: object) -> bool:
+def _pid_alive(pid: object, marker: bytes = b"mvproxy") -> bool:
+    """Alive and (where /proc tells) running a command line that holds ``marker``."""
     if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
         return False
     try:
@@ -370,26 +418,52 @@ def _pid_alive(pid: object) -> bool:
     cmdline = Path(f"/proc/{pid}/cmdline")
     if cmdline.parent.parent.is_dir() and Path("/proc/self").exists():
         try:
-            return b"mvproxy" in cmdline.read_bytes()  # not a recycled pid
+            return marker in cmdline.read_bytes()  # not a recycled pid
         except OSError:
             return False
     return True
 
 
+def state_pids(doc: object) -> list[int]:
+    """Every pid a demo.json document lists: each server's mvproxy and kube-apiserver,
+    and with ``--real`` its etcd and kube-controller-managers."""
+    if not isinstance(doc, dict):
+        return []
+    entries: list[object] = [doc.get("etcd")]
+    servers = doc.get("servers")
+    for server in servers if isinstance(servers, list) else ():
+        if isinstance(server, dict):
+            entries += [server.get("proxy"), server.get("backend")]
+    managers = doc.get("controllerManagers")
+    entries += managers if isinstance(managers, list) else []
+    pids = [e.get("pid") for e in entries if isinstance(e, dict)]
+    return [p for p in pids if isinstance(p, int)]
+
+
 def running_pids(directory: StrPath) -> list[int]:
     """Pids of the processes of a demo in ``directory`` (per its demo.json) still alive."""
+    root = Path(directory).absolute()
     try:
-        doc = json.loads((Path(directory) / "demo.json").read_text("utf-8"))
+        doc = json.loads((root / "demo.json").read_text("utf-8"))
     except (OSError, ValueError):
         return []
-    servers = doc.get("servers") if isinstance(doc, dict) else None
-    pids: list[object] = []
-    for server in servers if isinstance(servers, list) else []:
-        if isinstance(server, dict):
-            for part in ("proxy", "backend"):
-                if isinstance(server.get(part), dict):
-                    pids.append(server[part].get("pid"))
-    return [p for p in pids if isinstance(p, int) and _pid_alive(p)]
+    # Each command line names mvproxy or a file in the demo's directory (etcd's data).
+    return [p for p in state_pids(doc)
+            if _pid_alive(p) or _pid_alive(p, str(root).encode())]
+
+
+def check_directory(directory: StrPath) -> Path:
+    """The demo directory, absolute; UsageError if it is a file or a demo runs there."""
+    root = Path(directory).absolute()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--dir: {root} exists and is not a directory")
+    alive = running_pids(root)
+    if alive:
+        raise UsageError(
+            f"{root} holds a demo that is still running (pids {', '.join(map(str, alive))}); "
+            f"stop it first (Ctrl-C in its terminal, or kill {' '.join(map(str, alive))}) "
+            f"or use another --dir")
+    return root
 
 
 # --------------------------------------------------------------------------- files
@@ -404,22 +478,24 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def _mvproxy_config(sid: str, ports: tuple[int, int, int],
-                    peers: Sequence[tuple[str, int]], poll_interval: str,
-                    lease_timing: tuple[str, str] | None = None) -> str:
+def mvproxy_config(sid: str, ports: tuple[int, int, int],
+                   peers: Sequence[tuple[str, str]], poll_interval: str,
+                   lease_timing: tuple[str, str] | None = None, host: str = HOST) -> str:
+    """The ``DIR/<sid>/mvproxy.yaml`` of one member: listeners on ``host``, its backend
+    there too, the PKI in ``DIR/pki``; ``peers`` are (server ID, URL) when static."""
     proxy_port, backend_port, admin_port = ports
     pki = f"../pki/{sid}"
     doc: dict[str, Any] = {
         "apiVersion": "mvproxy.io/v1alpha1",
         "kind": "MvproxyConfiguration",
         "serverID": sid,
-        "bindAddress": HOST,
+        "bindAddress": host,
         "securePort": proxy_port,
         "tlsCertFile": f"{pki}/mvproxy.crt",
         "tlsPrivateKeyFile": f"{pki}/mvproxy.key",
         "clientCAFile": "../pki/ca.crt",
         "backend": {
-            "url": f"https://{HOST}:{backend_port}",
+            "url": f"https://{host}:{backend_port}",
             "caFile": "../pki/ca.crt",
             "certFile": f"{pki}/front-proxy-client.crt",
             "keyFile": f"{pki}/front-proxy-client.key",
@@ -433,14 +509,13 @@ def _mvproxy_config(sid: str, ports: tuple[int, int, int],
                        "keyFile": f"{pki}/front-proxy-client.key"}
     if lease_timing:
         # Each mvproxy publishes its URL in a Lease through its backend (shared store).
-        doc["peer"]["advertiseURL"] = f"https://{HOST}:{proxy_port}"
+        doc["peer"]["advertiseURL"] = f"https://{host}:{proxy_port}"
         doc["peers"] = {"leases": {"enabled": True, "leaseDuration": lease_timing[0],
                                    "renewPeriod": lease_timing[1]}}
     elif peers:
-        doc["peers"] = {"static": [{"serverID": pid, "url": f"https://{HOST}:{port}"}
-                                   for pid, port in peers]}
+        doc["peers"] = {"static": [{"serverID": pid, "url": url} for pid, url in peers]}
     doc["discovery"] = {"pollInterval": poll_interval}
-    doc["admin"] = {"bindAddress": HOST, "port": admin_port}
+    doc["admin"] = {"bindAddress": host, "port": admin_port}
     doc["logging"] = {"format": "text", "verbosity": 2}
     doc["timeouts"] = {"shutdownGracePeriod": "3s"}
     header = (
@@ -449,6 +524,39 @@ def _mvproxy_config(sid: str, ports: tuple[int, int, int],
         "#   mvproxy check-config mvproxy.yaml\n"
         "# Every key is documented in config/mvproxy.example.yaml of the mvproxy sources.\n")
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def write_demo_tokens(root: Path) -> tuple[dict[str, str], Path]:
+    """Fresh bearer tokens for demo-admin (system:masters) and demo-viewer (viewer) in
+    ``root/tokens.csv``: (kubeconfig user -> token, the file)."""
+    tokens = {"admin-token": secrets.token_urlsafe(24),
+              "viewer-token": secrets.token_urlsafe(24)}
+    token_file = write_token_file(root / "tokens.csv", {
+        tokens["admin-token"]: ADMIN_TOKEN_USER,
+        tokens["viewer-token"]: VIEWER_TOKEN_USER,
+    })
+    return tokens, token_file
+
+
+def write_demo_kubeconfig(root: Path, servers: Sequence[ServerInfo], pki: Path,
+                          tokens: Mapping[str, str]) -> Path:
+    """``root/kubeconfig``: a context per mvproxy (named by server ID) and one per
+    kube-apiserver (``<id>-direct``), users admin (certificate) and the tokens'."""
+    from mvproxy.devcluster.kubeconfig import write_kubeconfig
+
+    return write_kubeconfig(
+        root / "kubeconfig",
+        ca_file=pki / "ca.crt",
+        clusters=[(s.context, s.proxy_url) for s in servers]
+        + [(s.direct_context, s.backend_url) for s in servers],
+        users={
+            "admin": {"client-certificate": pki / "admin.crt", "client-key": pki / "admin.key"},
+            **{user: {"token": token} for user, token in tokens.items()},
+        },
+        contexts=[(s.context, s.context, "admin") for s in servers]
+        + [(s.direct_context, s.direct_context, "admin") for s in servers],
+        current_context=servers[0].context,
+    )
 
 
 def _reset_files(directory: Path, ids: Sequence[str]) -> None:
@@ -485,7 +593,6 @@ def start_cluster(
     starting anything, and DemoError/ProcessError (with the failing process's log tail)
     after stopping whatever it started.
     """
-    from mvproxy.devcluster.kubeconfig import write_kubeconfig
     from mvproxy.devpki import init_pki
 
     if membership not in MEMBERSHIPS:
@@ -502,15 +609,7 @@ def start_cluster(
     if unknown:
         raise UsageError(f"extra_sim_args: unknown server ID(s) {', '.join(unknown)}; "
                          f"servers: {', '.join(ids)}")
-    root = Path(directory).absolute()
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"--dir: {root} exists and is not a directory")
-    alive = running_pids(root)
-    if alive:
-        raise UsageError(
-            f"{root} holds a demo that is still running (pids {', '.join(map(str, alive))}); "
-            f"stop it first (Ctrl-C in its terminal, or kill {' '.join(map(str, alive))}) "
-            f"or use another --dir")
+    root = check_directory(directory)
     ports = allocate_ports(base_port, len(versions))
 
     try:
@@ -518,12 +617,7 @@ def start_cluster(
         _reset_files(root, ids)
         pki = root / "pki"
         init_pki(pki, ids, force=True)
-        tokens = {"admin-token": secrets.token_urlsafe(24),
-                  "viewer-token": secrets.token_urlsafe(24)}
-        token_file = write_token_file(root / "tokens.csv", {
-            tokens["admin-token"]: ADMIN_TOKEN_USER,
-            tokens["viewer-token"]: VIEWER_TOKEN_USER,
-        })
+        tokens, token_file = write_demo_tokens(root)
         (root / "examples").mkdir(exist_ok=True)
         (root / "examples" / "podgroup.yaml").write_text(PODGROUP_EXAMPLE, "utf-8")
     except OSError as e:
@@ -536,8 +630,9 @@ def start_cluster(
         sub = root / sid
         sub.mkdir(exist_ok=True)
         config = sub / "mvproxy.yaml"
-        peers = [(other, ports[j][0]) for j, other in enumerate(ids) if j != index]
-        config.write_text(_mvproxy_config(
+        peers = [(other, f"https://{HOST}:{ports[j][0]}") for j, other in enumerate(ids)
+                 if j != index]
+        config.write_text(mvproxy_config(
             sid, triple, peers, poll_interval,
             lease_timing if membership == "leases" else None), "utf-8")
         audit = sub / "audit.log"
@@ -553,22 +648,10 @@ def start_cluster(
         servers.append(ServerInfo(sid, version, triple[0], triple[1], triple[2],
                                   proxy, backend, config, audit))
 
-    kubeconfig = write_kubeconfig(
-        root / "kubeconfig",
-        ca_file=pki / "ca.crt",
-        clusters=[(s.id, s.proxy_url) for s in servers]
-        + [(f"{s.id}-direct", s.backend_url) for s in servers],
-        users={
-            "admin": {"client-certificate": pki / "admin.crt", "client-key": pki / "admin.key"},
-            "admin-token": {"token": tokens["admin-token"]},
-            "viewer-token": {"token": tokens["viewer-token"]},
-        },
-        contexts=[(s.id, s.id, "admin") for s in servers]
-        + [(f"{s.id}-direct", f"{s.id}-direct", "admin") for s in servers],
-        current_context=servers[0].id,
-    )
+    kubeconfig = write_demo_kubeconfig(root, servers, pki, tokens)
     cluster = DemoCluster(root, servers, kubeconfig, pki / "ca.crt", pki, store, tokens,
-                          root / "demo.json")
+                          root / "demo.json",
+                          showcase=replace(PODGROUPS, example=root / "examples" / "podgroup.yaml"))
     try:
         # In parallel: every process starts at once, then we wait for all of them.
         first = servers[:started]  # spares wait for start_member
@@ -599,6 +682,11 @@ def _count(n: int, noun: str) -> str:
 #: Where a source checkout keeps the pinned kubectl binaries the test suite downloads.
 TOOLS_DIR = Path(__file__).resolve().parents[2] / ".tools"
 FETCH_KUBECTL = "python3 scripts/dev.py kubectl"
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """``1.35`` or ``1.35.4`` as a tuple that sorts by release."""
+    return tuple(int(part) for part in version.removeprefix("v").split(".") if part.isdigit())
 
 
 def _version_key(path: Path) -> tuple[int, ...]:
@@ -640,13 +728,14 @@ def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
     q = shlex.quote
     servers = cluster.servers
     first = servers[0]
-    newest = max(servers, key=lambda s: tuple(int(x) for x in s.version.split(".")))
+    newest = max(servers, key=lambda s: version_key(s.version))
     old = next((s for s in servers if s.version != newest.version), None)
     versions = ", ".join(s.version for s in servers)
     took = f" (ready in {elapsed:.1f}s)" if elapsed is not None else ""
+    show = cluster.showcase
     lines = [
         f"mvproxy demo: {_count(len(servers), 'kube-apiserver')} ({versions}), each behind "
-        f"its own mvproxy, sharing one store{took}.",
+        f"its own mvproxy, sharing {cluster.shared_store}{took}.",
         "",
         f"  {'server':<13} {'version':<8} {'mvproxy (kubectl)':<24} "
         f"{'kube-apiserver':<24} admin (metrics)",
@@ -663,22 +752,27 @@ def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
         f"<id>-direct bypasses mvproxy",
         f"  {kubectl} --context {first.id} get namespaces",
     ]
-    if old is not None:
+    if old is not None and show is not None:
+        gv = f"{show.group}/{show.version}" if show.group else show.version
         lines += [
             "",
-            f"  # PodGroups (scheduling.k8s.io/v1alpha2) exist only in {newest.version}. "
+            f"  # {show.title or show.resource} ({gv}) exist only in {newest.version}. "
             f"{old.id} runs {old.version},",
             "  # yet through its mvproxy it lists them (discovery merged from its peers) ...",
-            f"  {kubectl} --context {old.id} api-resources --api-group scheduling.k8s.io",
+            f"  {kubectl} --context {old.context} api-resources --api-group {q(show.group)}",
             "  # ... while its kube-apiserver alone does not:",
-            f"  {kubectl} --context {old.id}-direct api-resources --api-group scheduling.k8s.io",
-            f"  # Create one through {old.id}: mvproxy forwards it to a {newest.version} peer.",
-            f"  {kubectl} --context {old.id} create -f "
-            f"{q(str(cluster.directory / 'examples' / 'podgroup.yaml'))}",
-            f"  {kubectl} --context {old.id} get podgroups",
-            f"  grep -l podgroups {q(str(cluster.directory))}/*/audit.log"
-            f"    # only {newest.version} kube-apiservers saw them",
+            f"  {kubectl} --context {old.direct_context} api-resources "
+            f"--api-group {q(show.group)}",
         ]
+        if show.example is not None:
+            lines += [
+                f"  # Create one through {old.id}: mvproxy forwards it to a {newest.version} "
+                "peer.",
+                f"  {kubectl} --context {old.context} create -f {q(str(show.example))}",
+                f"  {kubectl} --context {old.context} get {show.resource}",
+                f"  grep -l {show.resource} {q(str(cluster.directory))}/*/audit.log"
+                f"    # only {newest.version} kube-apiservers saw them",
+            ]
     lines += [
         "",
         "  # Other users: admin-token (system:masters), viewer-token (read-only):",
@@ -703,9 +797,30 @@ def guide(cluster: DemoCluster, elapsed: float | None = None) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``mvproxy demo``: start, print the guide, run until SIGINT/SIGTERM/SIGHUP, stop, exit 0."""
-    versions = parse_versions(args.versions)
+    """``mvproxy demo``: start, print the guide, run until SIGINT/SIGTERM/SIGHUP, stop, exit 0.
+
+    With ``--real`` the control plane is ``realdemo``'s (real etcd and kube-apiservers);
+    bad versions or missing binaries are refused before anything starts.
+    """
     directory = Path(args.dir)
+    real = bool(getattr(args, "real", False))
+    start: Callable[[], DemoCluster]
+    if real:
+        from mvproxy.devcluster.realdemo import cli_starter
+
+        versions, start = cli_starter(args)
+        what = f"etcd, {_count(len(versions), 'real kube-apiserver')} ({', '.join(versions)})"
+    else:
+        if getattr(args, "kube_binaries", None):
+            raise UsageError("--kube-binaries: only with --real (the simulator needs no "
+                             "binaries)")
+        versions = parse_versions(args.versions or ",".join(DEFAULT_VERSIONS))
+
+        def start() -> DemoCluster:
+            return start_cluster(directory, versions, args.base_port,
+                                 membership=getattr(args, "membership", "static"))
+
+        what = _count(len(versions), "kube-apiserver")
     stop = threading.Event()
 
     def interrupt_startup(signum: int, frame: object) -> None:
@@ -718,13 +833,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for sig in previous:
         signal.signal(sig, interrupt_startup)
     try:
-        print(f"mvproxy demo: starting {_count(len(versions), 'kube-apiserver')} "
+        print(f"mvproxy demo: starting {what} "
               f"and {_count(len(versions), 'mvproxy')} in {directory.absolute()} ...",
               flush=True)
         started = time.monotonic()
         try:
-            cluster = start_cluster(directory, versions, args.base_port,
-                                    membership=getattr(args, "membership", "static"))
+            cluster = start()
         except KeyboardInterrupt:
             print("mvproxy demo: interrupted during startup; stopped everything.",
                   file=sys.stderr, flush=True)
@@ -735,13 +849,11 @@ def run_demo(args: argparse.Namespace) -> int:
             print(guide(cluster, time.monotonic() - started), end="", flush=True)
             reported: set[str] = set()
             while not stop.wait(0.5):
-                for s in cluster.servers:
-                    for what, proc in (("mvproxy", s.proxy), ("kube-apiserver", s.backend)):
-                        key = f"{s.id} {what}"
-                        if proc.returncode is not None and key not in reported:
-                            reported.add(key)
-                            print(f"mvproxy demo: {key} exited with code {proc.returncode}; "
-                                  f"see {proc.log_path}", file=sys.stderr, flush=True)
+                for proc in cluster.processes:
+                    if proc.returncode is not None and proc.name not in reported:
+                        reported.add(proc.name)
+                        print(f"mvproxy demo: {proc.name} exited with code {proc.returncode}; "
+                              f"see {proc.log_path}", file=sys.stderr, flush=True)
             for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)  # stopping is bounded; finish it
             print("\nmvproxy demo: stopping ...", flush=True)
