@@ -82,7 +82,7 @@ def request(cluster: DemoCluster, sid: str, method: str, path: str, *,
     if body is not None:
         data = json.dumps(body).encode()
         sent.setdefault("Content-Type", "application/json")
-    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout,
+    conn = http.client.HTTPSConnection(server.host, port, timeout=timeout,
                                        context=tls_context(cluster, cert=cert),
                                        source_address=(source, 0) if source else None)
     try:

@@ -60,10 +60,11 @@ def test_demo_help_describes_every_option_with_its_default() -> None:
                          capture_output=True, text=True, timeout=60, check=True).stdout
     body = out.split("options:", 1)[1]
     options = re.findall(r"^  (--[a-z-]+)", body, flags=re.MULTILINE)
-    assert set(options) == {"--dir", "--versions", "--base-port", "--membership"}
+    assert set(options) == {"--dir", "--versions", "--base-port", "--membership", "--real",
+                            "--kube-binaries"}
     # Every option's help (up to the next option) states its default.
     chunks = re.split(r"^  --", body, flags=re.MULTILINE)[1:]
-    assert len(chunks) == 4
+    assert len(chunks) == 6
     for chunk in chunks:
         assert "(default:" in " ".join(chunk.split()), chunk
 

@@ -814,7 +814,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if getattr(args, "kube_binaries", None):
             raise UsageError("--kube-binaries: only with --real (the simulator needs no "
                              "binaries)")
-        versions = parse_versions(args.versions or ",".join(DEFAULT_VERSIONS))
+        versions = parse_versions(DEFAULT_VERSIONS if args.versions is None else args.versions)
 
         def start() -> DemoCluster:
             return start_cluster(directory, versions, args.base_port,

@@ -52,12 +52,15 @@ def request(url: str, ssl_context: ssl.SSLContext, method: str, path: str, *,
         conn.close()
 
 
-def served_resources(url: str, ssl_context: ssl.SSLContext) -> frozenset[GVR]:
+def served_resources(url: str, ssl_context: ssl.SSLContext, *,
+                     nopeer: bool = True) -> frozenset[GVR]:
     """Every (group, version, resource) the server at ``url`` serves itself, read from
-    its aggregated discovery (``/api`` and ``/apis``, ``profile=nopeer``)."""
+    its aggregated discovery (``/api`` and ``/apis``, ``profile=nopeer``); with
+    ``nopeer=False``, what it lists (through an mvproxy: the merged view)."""
     served: set[GVR] = set()
+    accept = NOPEER_V2 if nopeer else NOPEER_V2.removesuffix(";profile=nopeer")
     for path in ("/api", "/apis"):
-        status, body = request(url, ssl_context, "GET", path, accept=NOPEER_V2)
+        status, body = request(url, ssl_context, "GET", path, accept=accept)
         if status != 200:
             raise KubeHTTPError(f"GET {url}{path}: {status} {body[:200]!r}")
         for group in parse_aggregated(body, max_bytes=MAX_DISCOVERY_BYTES):

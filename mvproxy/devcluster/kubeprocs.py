@@ -123,6 +123,10 @@ class KubeAPIServerProcess(ManagedProcess):
             "--audit-policy-file", str(Path(audit_policy).absolute()),
             "--audit-log-path", str(self.audit_log),
             "--profiling=false",
+            # With watches open (a kube-controller-manager's), SIGTERM alone did not end
+            # kube-apiserver within 30 s: it waits for them to drain. This bounds that
+            # wait (measured: 1.1 s to exit). Given again in extra_args, the last wins.
+            "--shutdown-watch-termination-grace-period=2s",
             *extra_args,
         ]
         super().__init__(argv, name, log_dir, ready_url=f"{self.url}/readyz",

@@ -552,7 +552,8 @@ def _start(cluster: RealCluster, membership: str, timeout: float) -> None:
 def cli_starter(args: argparse.Namespace) -> tuple[list[str], Callable[[], DemoCluster]]:
     """``mvproxy demo --real``'s versions and how to start it, checked before anything
     starts (UsageError: bad versions, binaries missing)."""
-    versions = parse_real_versions(args.versions or ",".join(DEFAULT_REAL_VERSIONS))
+    versions = parse_real_versions(",".join(DEFAULT_REAL_VERSIONS) if args.versions is None
+                                   else args.versions)
     root = binaries_root(getattr(args, "kube_binaries", None))
     resolve_binaries(versions, root)
 
