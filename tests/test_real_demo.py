@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import audit_entries, request, wait_until
+from e2e_support import request, wait_for_audit, wait_until
 from real_support import require_binaries
 
 from mvproxy.cli import main
@@ -47,9 +47,11 @@ def _alive(pid: int) -> bool:
 
 
 def _state_pids(state: dict) -> list[int]:
+    """Every pid demo.json lists (a process not started yet has none)."""
     pids = [state["etcd"]["pid"]]
     pids += [s[part]["pid"] for s in state["servers"] for part in ("proxy", "backend")]
-    return pids + [m["pid"] for m in state["controllerManagers"]]
+    pids += [m["pid"] for m in state["controllerManagers"]]
+    return [pid for pid in pids if pid is not None]
 
 
 def _names(gvrs: set[GVR] | frozenset[GVR]) -> set[str]:
@@ -107,9 +109,30 @@ def test_real_versions_are_full_and_within_one_minor(tmp_path: Path, capsys, ver
     assert not (tmp_path / "d").exists()
 
 
+def test_an_address_this_machine_lacks_is_a_usage_error() -> None:
+    from mvproxy.devcluster.realdemo import check_addresses
+    from mvproxy.errors import UsageError
+
+    check_addresses(["127.0.0.2", "127.0.0.3"])
+    with pytest.raises(UsageError, match="cannot listen on 192.0.2.1"):
+        check_addresses(["192.0.2.1"])  # TEST-NET-1: on no interface here
+
+
 def test_kube_binaries_needs_real(tmp_path: Path, capsys) -> None:
     code = main(["demo", "--dir", str(tmp_path / "d"), "--kube-binaries", str(tmp_path)])
     assert code == 2 and "only with --real" in capsys.readouterr().err
+
+
+def test_a_server_that_fails_to_start_stops_everything(tmp_path: Path) -> None:
+    """The error carries the kube-apiserver's own words; etcd is stopped with it."""
+    from mvproxy.devcluster.launcher import ProcessError
+
+    binaries = require_binaries(VERSIONS[:1])
+    with pytest.raises(ProcessError, match="(?s)apiserver-0-apiserver exited.*no-such-flag"):
+        start_real_cluster(tmp_path / "d", VERSIONS[:1], 0, binaries=binaries,
+                           extra_apiserver_args={OLD: ["--no-such-flag"]})
+    state = json.loads((tmp_path / "d" / "demo.json").read_text())
+    assert _wait_gone(_state_pids(state)) == []
 
 
 # --------------------------------------------------------------------------- as a user runs it
@@ -203,10 +226,12 @@ def test_each_server_is_a_real_release_with_its_own_identity(cluster: RealCluste
     for server, version in zip(cluster.servers, VERSIONS, strict=True):
         answer = request(cluster, server.id, "GET", "/version", direct=True)
         assert answer.status == 200 and answer.json()["gitVersion"] == f"v{version}", answer
-    leases = request(cluster, OLD, "GET", "/apis/coordination.k8s.io/v1/namespaces/"
-                     "kube-system/leases?labelSelector=apiserver.kubernetes.io/identity")
-    assert leases.status == 200, leases
-    assert len({item["metadata"]["name"] for item in leases.json()["items"]}) == 2
+    # Each has its own hostname, so its own identity Lease (the lease controller may
+    # write them a moment after /readyz).
+    path = ("/apis/coordination.k8s.io/v1/namespaces/kube-system/leases"
+            "?labelSelector=apiserver.kubernetes.io/identity")
+    wait_until(lambda: len(request(cluster, OLD, "GET", path).json()["items"]) == 2,
+               "two kube-apiserver identity Leases")
 
 
 def test_tokens_and_rbac_are_the_real_servers(cluster: RealCluster) -> None:
@@ -217,9 +242,10 @@ def test_tokens_and_rbac_are_the_real_servers(cluster: RealCluster) -> None:
                      body={"apiVersion": "v1", "kind": "Namespace",
                            "metadata": {"name": "nope"}})
     assert denied.status == 403 and denied.json()["reason"] == "Forbidden", denied
-    entry = next(e for e in reversed(audit_entries(cluster.server(OLD).audit_log))
-                 if e["verb"] == "create" and e["requestURI"] == "/api/v1/namespaces")
-    assert entry["user"]["username"] == "demo-viewer" and "viewer" in entry["user"]["groups"]
+    entry = wait_for_audit(cluster.server(OLD).audit_log, lambda e: e["verb"] == "create"
+                           and e["requestURI"] == "/api/v1/namespaces"
+                           and e["user"]["username"] == "demo-viewer", "the refused create")
+    assert "viewer" in entry["user"]["groups"] and entry["responseStatus"]["code"] == 403
 
 
 def test_controller_manager_through_the_old_servers_mvproxy(cluster: RealCluster) -> None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import socket
 import ssl
 import sys
 import time
@@ -77,7 +79,7 @@ from mvproxy.devcluster.kubeprocs import (
 from mvproxy.devcluster.launcher import ManagedProcess, free_port, stop_all
 from mvproxy.errors import UsageError
 
-StrPath = str | Path
+StrPath = str | os.PathLike[str]
 
 DEFAULT_REAL_VERSIONS = ("1.35.4", "1.36.3")
 ETCD_PORT_OFFSET = 300  # client; the peer port is the next one
@@ -145,6 +147,20 @@ def parse_real_versions(versions: str | Sequence[str]) -> list[str]:
                          "the kube-apiservers of one control plane must be within one minor "
                          f"of each other (e.g. --versions {example})")
     return ["%d.%d.%d" % v for v in parsed]
+
+
+def check_addresses(hosts: Sequence[str]) -> None:
+    """UsageError unless this machine can listen on every member address (Linux routes
+    all of 127.0.0.0/8 to loopback; macOS, for one, has only 127.0.0.1 by default)."""
+    for host in hosts:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, 0))
+            except OSError as e:
+                raise UsageError(
+                    f"--real: cannot listen on {host} ({e.strerror or e}); each server needs "
+                    f"its own loopback address (127.0.0.2 and up). Add them to the loopback "
+                    f"interface first (on macOS: sudo ifconfig lo0 alias {host})") from None
 
 
 def binaries_root(directory: StrPath | None = None) -> Path:
@@ -452,6 +468,7 @@ def start_real_cluster(
                          f"servers: {', '.join(ids)}")
     root = check_directory(directory)
     hosts = [member_host(i) for i in range(len(versions))]
+    check_addresses(hosts)
     ports = allocate_ports(base_port, len(versions), hosts)
     etcd_ports = _etcd_ports(base_port)
     try:
