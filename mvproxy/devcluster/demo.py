@@ -18,8 +18,8 @@ and all its peers:
 Ports: mvproxy ``base_port + i``, kube-apiserver ``base_port + 100 + i``, admin
 listener ``base_port + 200 + i``; ``base_port=0`` picks free ports (for tests).
 
-``run_demo`` is the CLI: it starts the cluster, prints what to try, and stops
-everything on SIGINT/SIGTERM.
+``run_demo`` is the CLI: it starts the cluster (``realdemo``'s with ``--real``), prints
+what to try, and stops everything on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
