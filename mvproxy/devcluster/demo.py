@@ -865,12 +865,21 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "PODGROUPS",
     "DemoCluster",
     "DemoError",
     "ServerInfo",
+    "Showcase",
     "allocate_ports",
+    "check_directory",
+    "mvproxy_config",
     "parse_versions",
+    "port_taken",
     "run_demo",
     "running_pids",
     "start_cluster",
+    "state_pids",
+    "version_key",
+    "write_demo_kubeconfig",
+    "write_demo_tokens",
 ]

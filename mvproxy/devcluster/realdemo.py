@@ -77,7 +77,7 @@ from mvproxy.devcluster.kubeprocs import (
     KubeControllerManagerProcess,
 )
 from mvproxy.devcluster.launcher import ManagedProcess, free_port, stop_all
-from mvproxy.errors import UsageError
+from mvproxy.errors import PKIError, UsageError
 
 StrPath = str | os.PathLike[str]
 
@@ -373,8 +373,7 @@ def pick_showcase(old: frozenset[GVR], new: frozenset[GVR],
         example = examples / "mutatingadmissionpolicy.yaml"
         example.write_text(MAP_EXAMPLE, "utf-8")
         return Showcase(*MAP_GVR, title="MutatingAdmissionPolicies", example=example)
-    top = [gvr for gvr in only if "/" not in gvr[2]]
-    return Showcase(*top[0]) if top else None
+    return Showcase(*only[0]) if only else None
 
 
 def _bootstrap_objects(membership: str) -> list[tuple[str, dict[str, Any]]]:
@@ -452,8 +451,6 @@ def start_real_cluster(
     comes before anything starts; DemoError, ProcessError (with the failing process's
     log tail) or KubeHTTPError after stopping whatever was started.
     """
-    from mvproxy.devpki import PKIError
-
     if membership not in MEMBERSHIPS:
         raise UsageError(f"--membership: must be one of {', '.join(MEMBERSHIPS)}, "
                          f"got {membership!r}")
