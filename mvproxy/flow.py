@@ -46,7 +46,9 @@ machine, ``bench/run.py`` 3 rounds, noisy): a stalled stream holds ~195 KiB with
 KiB reads, ~410 KiB with 64 KiB; a 64 KiB LIST cost 109 µs/req with uncapped reads,
 142 with 16 KiB and 136 with 64 KiB (the cap is two Python calls per read). Smaller
 reads split records: the in-process 64 MiB transfer each way took ~35 % (8 KiB) and
-~50 % (4 KiB) more CPU than with 16 KiB."""
+~50 % (4 KiB) more CPU than with 16 KiB; in ``bench/run.py`` (same hour, 3 rounds) a 64 KiB
+LIST took 201 µs/req with 4 KiB reads against 151 with 16 KiB, for 143-154 KiB per
+stalled stream instead of ~196."""
 READ_CHUNK_BEHIND = 4 * 1024
 """The most one read brings while whoever the bytes go to is behind (``reads_behind``):
 what arrives after the other leg stopped reading, before the pause takes effect. Each
