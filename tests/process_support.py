@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import ssl
 import subprocess
@@ -110,3 +111,17 @@ async def get(port: int, ctx: ssl.SSLContext) -> int:
         async with session.get(f"https://127.0.0.1:{port}/api/v1/namespaces",
                                timeout=aiohttp.ClientTimeout(total=WAIT)) as resp:
             return resp.status
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from process_support import pid_alive
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
@@ -31,20 +32,6 @@ def _mvproxy(*args: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _pids(state: dict) -> list[int]:
@@ -136,7 +123,7 @@ def test_demo_runs_serves_kubectl_and_stops_on_ctrl_c(demo: Demo, kubectl) -> No
     assert set(state["users"]) == {"admin-token", "viewer-token"}
     assert all(len(u["token"]) >= 16 for u in state["users"].values())
     pids = _pids(state)
-    assert len(set(pids)) == 6 and all(_alive(p) for p in pids)
+    assert len(set(pids)) == 6 and all(pid_alive(p) for p in pids)
     for secret in (root / "kubeconfig", root / "demo.json", root / "tokens.csv"):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
 
@@ -169,9 +156,9 @@ def test_demo_runs_serves_kubectl_and_stops_on_ctrl_c(demo: Demo, kubectl) -> No
         pytest.fail(f"demo still running {STOP_TIMEOUT:g}s after SIGINT:\n{demo.output()}")
     assert code == 0, demo.output()
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if pid_alive(p)] == []
     assert "stopped." in demo.output()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from e2e_support import request, wait_for_audit, wait_until
+from process_support import pid_alive
 from real_support import require_binaries
 
 from mvproxy.cli import main
@@ -30,20 +31,6 @@ VERSIONS = ("1.35.4", "1.36.3")
 OLD, NEW = "apiserver-0", "apiserver-1"
 START_TIMEOUT = 120.0
 STOP_TIMEOUT = 30.0
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _state_pids(state: dict) -> list[int]:
@@ -62,9 +49,9 @@ def _names(gvrs: set[GVR] | frozenset[GVR]) -> set[str]:
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 # --------------------------------------------------------------------------- usage errors
@@ -167,7 +154,7 @@ def test_demo_real_serves_kubectl_and_stops_on_ctrl_c(tmp_path: Path, kubectl) -
             assert s["proxy"]["url"].split(":")[:2] == s["backend"]["url"].split(":")[:2]
             assert Path(s["backend"]["binary"]).name == "kube-apiserver"
         pids = _state_pids(state)
-        assert len(set(pids)) == 5 and all(_alive(p) for p in pids)
+        assert len(set(pids)) == 5 and all(pid_alive(p) for p in pids)
         assert state["etcd"]["url"].startswith("http://127.0.0.1:")
 
         # What only the new server serves, from the servers' own discovery.
@@ -283,6 +270,6 @@ def test_rolling_upgrade_walk_needs_no_mvproxy_restart(cluster: RealCluster) -> 
 def test_stop_ends_every_process(cluster: RealCluster) -> None:
     """Runs last: the module's cluster is stopped here (stop() is idempotent)."""
     pids = _state_pids(cluster.state())
-    assert len(pids) == 6 and all(_alive(p) for p in pids)  # etcd, 2 + 2, the kcm
+    assert len(pids) == 6 and all(pid_alive(p) for p in pids)  # etcd, 2 + 2, the kcm
     cluster.stop()
     assert _wait_gone(pids) == []
