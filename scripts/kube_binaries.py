@@ -27,8 +27,10 @@ informer-<version>/``, go.mod generated from client-go's the same way; it has no
 oldest client-go, which the skew policy would allow for plain list and watch: each
 minor's reflector differs (watch-list on by default since 0.35, its fallbacks), and the
 controllers that meet mvproxy during an upgrade run both versions' client-go; the build
-costs about a minute cold, seconds warm. It is an extra file (with ``informer.sha256``,
-the digest of the main.go it was built from: an edited main.go is rebuilt) in an
+costs about a minute cold, seconds warm, and runs the informer's unit tests
+(``main_test.go``, ``go test``) before building. It is an extra file (with
+``informer.sha256``, the digest of the Go files it was built from: an edited main.go
+or main_test.go is rebuilt) in an
 envtest directory and not one of :data:`BINARIES`: :func:`find_binaries` still means the
 servers, :func:`find_informer` finds an up-to-date informer.
 
@@ -92,10 +94,19 @@ VERSION_PKG = "k8s.io/component-base/version"
 TIMEOUT = 3600
 
 
+def informer_sources() -> list[Path]:
+    """tests/realk8s/informer's Go files: main.go and its unit tests, in name order."""
+    return sorted((WRAPPERS / INFORMER).glob("*.go"))
+
+
 def informer_source_digest() -> str:
-    """sha256 of tests/realk8s/informer/main.go: the informer is rebuilt when it changes
-    (the file ``informer.sha256`` beside the binary records what it was built from)."""
-    return hashlib.sha256((WRAPPERS / INFORMER / "main.go").read_bytes()).hexdigest()
+    """sha256 over tests/realk8s/informer's Go files (names and contents): the informer
+    is rebuilt, and its unit tests rerun, when one changes (the file
+    ``informer.sha256`` beside the binary records what it was built from)."""
+    digest = hashlib.sha256()
+    for source in informer_sources():
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def find_informer(version: str, root: Path | None = None) -> Path | None:
@@ -257,7 +268,8 @@ def _module_dir(directory: Path, gomod: str, packages: Iterable[str]) -> None:
     (directory / "go.mod").write_text(gomod)
     for package in packages:
         (directory / package).mkdir()
-        shutil.copy2(WRAPPERS / package / "main.go", directory / package / "main.go")
+        for source in sorted((WRAPPERS / package).glob("*.go")):  # main.go (+ its tests)
+            shutil.copy2(source, directory / package / source.name)
 
 
 def _build(module: Path, package: str, output: Path, flags: str) -> None:
@@ -319,6 +331,9 @@ def build_informer(version: str, root: Path) -> Path:
     _module_dir(module, generate_informer_gomod(_gomod_json(CLIENT_GO, staging_tag(key)), key),
                 (INFORMER,))
     _run_go(["mod", "tidy"], cwd=module)
+    # Its unit tests first (-trimpath, as the build, so they share Go's build cache): an
+    # informer that misreports what it sees is not installed.
+    _run_go(["test", "-trimpath", "-count=1", f"./{INFORMER}"], cwd=module)
     binary = version_dir(root, key) / INFORMER
     _build(module, INFORMER, binary, "-s -w")
     printed = subprocess.run([str(binary), "--client-go-version"], capture_output=True,

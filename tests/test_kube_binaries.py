@@ -332,11 +332,21 @@ def test_main_builds_a_missing_informer(tmp_path: Path, monkeypatch: pytest.Monk
     assert capsys.readouterr().out.count(": built in ") == 2
 
 
-def test_informer_digest_is_of_its_main_go() -> None:
-    import hashlib
-
-    source = kb.WRAPPERS / "informer" / "main.go"
-    assert kb.informer_source_digest() == hashlib.sha256(source.read_bytes()).hexdigest()
+def test_informer_digest_covers_main_go_and_its_tests(tmp_path: Path, monkeypatch) -> None:
+    """An edit of main.go or main_test.go rebuilds (and so retests) the informer."""
+    names = [p.name for p in kb.informer_sources()]
+    assert names == ["main.go", "main_test.go"]
+    copy = tmp_path / "informer"
+    copy.mkdir()
+    for source in kb.informer_sources():
+        (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(kb, "WRAPPERS", tmp_path)
+    digests = {kb.informer_source_digest()}
+    (copy / "main_test.go").write_text((copy / "main_test.go").read_text() + "// edit\n")
+    digests.add(kb.informer_source_digest())
+    (copy / "main.go").write_text((copy / "main.go").read_text() + "// edit\n")
+    digests.add(kb.informer_source_digest())
+    assert len(digests) == 3
 
 
 def test_every_wrapper_main_is_in_the_repository() -> None:

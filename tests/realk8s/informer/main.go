@@ -31,7 +31,8 @@
 //	          start. Connection refused and 429 are retried by the reflector without
 //	          reaching ERROR, so only these lines show them.
 //	WATCH_ERROR  an ERROR event inside a watch stream (e.g. 410 Expired): code,
-//	          reason, message
+//	          reason, message; never the one client-go makes up when the informer
+//	          itself cancels the watch as it stops
 //	WATCH_END the stream of a watch ended; stoppedByClient is false when the server
 //	          or the connection ended it
 //	BOOKMARK  with --bookmarks only: resourceVersion, initialEventsEnd
@@ -229,21 +230,34 @@ func (w observer) watch(ctx context.Context, opts metav1.ListOptions) (watch.Int
 		return inner, err
 	}
 	w.o.emit("WATCH", fields)
-	observed := &observedWatch{inner: inner, events: make(chan watch.Event),
-		stopped: make(chan struct{}), o: w.o, bookmarks: w.bookmarks}
-	go observed.pump()
-	return observed, nil
+	return newObservedWatch(ctx, inner, w.o, w.bookmarks), nil
 }
 
 // observedWatch passes a watch's events on, reporting error events, bookmarks (if
 // asked) and the end of the stream.
+//
+// ctx is the context the watch request was made with (the reflector's). When the
+// informer stops, the reflector cancels it: the response body's read fails with
+// "context canceled", and client-go's stream watcher turns that read error into an
+// Error event ("unable to decode an event from the watch stream: context canceled",
+// a 500 InternalError) unless the reflector's Stop() wins the race. That event is the
+// client's own cancellation, not something the server sent, so it is not reported
+// as WATCH_ERROR, and the stream's end counts as stopped by the client.
 type observedWatch struct {
+	ctx       context.Context
 	inner     watch.Interface
 	events    chan watch.Event
 	stopped   chan struct{}
 	stopOnce  sync.Once
 	o         *out
 	bookmarks bool
+}
+
+func newObservedWatch(ctx context.Context, inner watch.Interface, o *out, bookmarks bool) *observedWatch {
+	observed := &observedWatch{ctx: ctx, inner: inner, events: make(chan watch.Event),
+		stopped: make(chan struct{}), o: o, bookmarks: bookmarks}
+	go observed.pump()
+	return observed
 }
 
 func (w *observedWatch) ResultChan() <-chan watch.Event { return w.events }
@@ -253,12 +267,13 @@ func (w *observedWatch) Stop() {
 	w.inner.Stop()
 }
 
+// isStopped: the client ended this watch (Stop, or the request's context cancelled).
 func (w *observedWatch) isStopped() bool {
 	select {
 	case <-w.stopped:
 		return true
 	default:
-		return false
+		return w.ctx.Err() != nil
 	}
 }
 
@@ -281,6 +296,9 @@ func (w *observedWatch) pump() {
 func (w *observedWatch) report(event watch.Event) {
 	switch event.Type {
 	case watch.Error:
+		if w.ctx.Err() != nil {
+			return // the client cancelled the request; see observedWatch
+		}
 		fields := map[string]any{}
 		if status, ok := event.Object.(*metav1.Status); ok {
 			fields["code"] = status.Code
