@@ -53,6 +53,7 @@ class Document:
 
 
 _EMPTY: tuple[str, ...] = ()
+_PEER_ONLY_MEMO_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,20 @@ class CacheView:
                 discovery.group_name(g): g for g in (merged.groups if merged else ())
                 if g.get("versions")}
         return self._documents["groups"].get(name)
+
+    def peer_only_resources(self, group: str, version: str) -> tuple[dict, ...]:
+        """Legacy ``APIResource`` entries the merged view lists in ``group``/``version``
+        and the backend does not (``discovery.peer_only_resources``), memoised per
+        group/version for this generation; empty before the backend's first poll."""
+        memo = self._documents.setdefault("peer-only-resources", {})
+        found = memo.get((group, version))
+        if found is None:
+            merged, local = self.merged(), self.backend.snapshot
+            found = (discovery.peer_only_resources(merged, local, group, version)
+                     if merged is not None and local is not None else ())
+            if len(memo) < _PEER_ONLY_MEMO_MAX:  # keys are group/versions the backend serves
+                memo[(group, version)] = found
+        return found
 
     def document(self, key: tuple[str, ...], render: Callable[[], bytes]) -> tuple[Document, bool]:
         """Memoised rendering for this generation; returns (document, was_cached)."""

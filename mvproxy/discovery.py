@@ -65,10 +65,13 @@ __all__ = [
     "check_prefix",
     "etag",
     "group_name",
+    "legacy_resources",
     "merge",
+    "merge_resource_list",
     "merge_preserving_relative_order",
     "negotiate",
     "parse_aggregated",
+    "peer_only_resources",
     "render_aggregated",
     "render_api_group",
     "render_api_group_list",
@@ -532,6 +535,89 @@ def render_api_group_list(groups: Iterable[Mapping]) -> bytes:
     """
     items = [_legacy_group(g) for g in groups if _versions(g)]
     return _compact({"kind": "APIGroupList", "apiVersion": "v1", "groups": items})
+
+
+# --------------------------------------------------------------------------- APIResourceList
+
+def legacy_resources(resource: Mapping) -> list[dict]:
+    """One aggregated resource entry as the legacy ``APIResourceList`` lists it: the
+    resource, then each subresource as ``<resource>/<sub>``.
+
+    The inverse of kube-apiserver's conversion to aggregated discovery, checked against
+    every group/version of real 1.35 and 1.36 servers: the same fields in the same
+    order (``group``/``version`` only where the response kind is in another group,
+    as for ``deployments/scale``), except ``storageVersionHash``, which aggregated
+    discovery does not carry (only the storage version migrator reads it).
+    """
+    namespaced = resource.get("scope") == "Namespaced"
+
+    def entry(name: str, singular: str, kind: Mapping, verbs: Iterable[str] | None) -> dict:
+        item: dict = {"name": name, "singularName": singular, "namespaced": namespaced}
+        for key in ("group", "version"):
+            if kind.get(key):
+                item[key] = kind[key]
+        item["kind"] = kind.get("kind", "")
+        item["verbs"] = list(verbs or ())
+        return item
+
+    name = resource["resource"]
+    main = entry(name, resource.get("singularResource", ""),
+                 resource.get("responseKind") or {}, resource.get("verbs"))
+    for key in ("shortNames", "categories"):
+        if resource.get(key):
+            main[key] = list(resource[key])
+    return [main] + [entry(f"{name}/{sub['subresource']}", "", sub.get("responseKind") or {},
+                           sub.get("verbs")) for sub in _subresources(resource)]
+
+
+def peer_only_resources(merged: Snapshot, local: Snapshot, group: str,
+                        version: str) -> tuple[dict, ...]:
+    """Legacy ``APIResource`` entries of ``group``/``version`` that the merged view lists
+    and ``local`` (the backend) does not: whole resources only peers serve, and the
+    peer-only subresources of resources both serve. Empty when there are none."""
+    extra: list[dict] = []
+    for name, entry in _group_versions(merged.core if group == "" else merged.groups):
+        if name != group or entry["version"] != version:
+            continue
+        for resource in _resources(entry):
+            gvr = (group, version, resource["resource"])
+            converted = legacy_resources(resource)
+            if gvr not in local.gvrs:
+                extra.extend(converted)
+                continue
+            extra.extend(item for sub, item in zip(_subresources(resource), converted[1:],
+                                                   strict=True)
+                         if (*gvr, sub["subresource"]) not in local.subresources)
+    return tuple(extra)
+
+
+def merge_resource_list(body: bytes, extra: Sequence[Mapping], group_version: str) -> bytes | None:
+    """The backend's legacy ``APIResourceList`` (JSON) for ``group_version`` with the
+    entries of ``extra`` it lacks; None if ``body`` is not that document (then it is
+    relayed as it came). The backend lists resources by name (subresources right after
+    their resource): a sorted list stays sorted, any other order gets the extra entries
+    at the end. Written as kube-apiserver writes JSON: compact, one trailing newline."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    if (not isinstance(document, dict) or document.get("kind") != "APIResourceList"
+            or document.get("groupVersion") != group_version
+            or not isinstance(document.get("resources"), list)
+            or not all(isinstance(r, dict) for r in document["resources"])):
+        return None
+    resources: list = document["resources"]
+    present = {r.get("name") for r in resources}
+    added = [dict(r) for r in extra if r["name"] not in present]
+    if not added:
+        return body
+    names = [r.get("name") for r in resources]
+    in_order = all(isinstance(n, str) for n in names) and names == sorted(names)
+    merged = resources + added
+    if in_order:
+        merged.sort(key=lambda r: r["name"])
+    document["resources"] = merged
+    return _compact(document) + b"\n"
 
 
 def etag(body: bytes) -> str:

@@ -6,7 +6,10 @@ Which view a client gets (DESIGN.md, "Request decision" step 2):
   answer, forwarded (a peer polling us must see our backend, not our merge of it);
 - aggregated v2/v2beta1 (``/api``, ``/apis`` only): the merged document from the cache;
 - legacy JSON: the merged ``APIVersions`` / ``APIGroupList`` / ``APIGroup``, so
-  ``/apis/<g>`` lists the versions only peers serve, as ``/apis`` does;
+  ``/apis/<g>`` lists the versions only peers serve, as ``/apis`` does; and
+  ``/apis/<g>/<v>`` of a group/version the backend serves while peers serve more of
+  it (routing sends only those here): the backend's ``APIResourceList`` plus the
+  resources and subresources only peers list;
 - anything else, other protobuf included (it would lack the peer-only APIs): 406.
 
 The merged bytes and ETag are rendered once per cache generation. Before answering
@@ -87,7 +90,7 @@ class DiscoveryHandler:
     def handle_now(self, exchange: Exchange, info: RequestInfo) -> bool:
         """Answer at once when no upstream is needed: a merged document for credentials
         the backend said yes to within ``AUTHORIZED_TTL``. False: use ``handle``."""
-        if exchange.downstream.is_peer:
+        if exchange.downstream.is_peer or info.api_version:
             return False
         path = _probe_path(info)
         negotiated = _negotiate(exchange, path)
@@ -102,6 +105,9 @@ class DiscoveryHandler:
         return True
 
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
+        if info.api_version:  # routing.TO_RESOURCE_LIST
+            await self._resource_list(exchange, info)
+            return
         path = _probe_path(info)
         negotiated = _negotiate(exchange, path)
         if negotiated.counts_as_nopeer:  # every one, peers' polls included, as upstream
@@ -137,6 +143,47 @@ class DiscoveryHandler:
             return
         fields.append(("Content-Type", negotiated.content_type))
         exchange.respond(200, fields, document.body)
+
+    async def _resource_list(self, exchange: Exchange, info: RequestInfo) -> None:
+        """``GET /apis/<g>/<v>`` (``/api/<v>``) of a group/version the backend serves
+        while peers serve more of it: the backend's own ``APIResourceList``, asked with
+        the downstream's credentials (so its refusal is the answer), plus the entries
+        only peers list, so a client on legacy discovery (kr8s, the Python
+        ``DynamicClient``) finds them as in the merged ``/apis``. Asked as JSON when
+        the client takes JSON (its protobuf preference is passed over, as for
+        ``/apis``); a client that takes only other encodings gets the backend's
+        answer as it is, and so does anything but a 200 APIResourceList."""
+        view = self.cache.view()
+        extra = view.peer_only_resources(info.api_group, info.api_version)
+        accept = discovery.negotiate(exchange.headers.get("Accept"), aggregated=False)
+        if not extra or accept.kind != "legacy":
+            await self._from_backend(exchange)
+            return
+        headers = forwarding.headers_for(exchange, to_peer=False)
+        headers["Accept"] = "application/json"
+        for name in ("Accept-Encoding", "If-None-Match"):  # the body is rewritten
+            headers.popall(name, None)
+        try:
+            answer = await self.transport.fetch(self.backend.for_headers(headers),
+                                                exchange.target, headers=headers,
+                                                timeout=self.probe_timeout,
+                                                max_bytes=self.max_bytes)
+        except UpstreamError as exc:
+            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return
+        group_version = (f"{info.api_group}/{info.api_version}" if info.api_group
+                         else info.api_version)
+        merged = (discovery.merge_resource_list(answer.body, extra, group_version)
+                  if answer.status == 200 else None)
+        fields = forwarding.response_headers(list(answer.headers.items()))
+        if merged is not None and merged is not answer.body:
+            fields = [(n, v) for n, v in fields if n.lower() not in _REWRITTEN]
+            exchange.respond(200, fields, merged)
+            return
+        exchange.respond(answer.status, fields, answer.body)
 
     async def _from_backend(self, exchange: Exchange) -> None:
         headers = forwarding.headers_for(exchange, to_peer=False)
@@ -195,6 +242,8 @@ class DiscoveryHandler:
 
 
 _TOP_LEVEL = frozenset(("/api", "/apis"))
+#: Fields of the backend's answer that describe its own bytes, not the merged ones.
+_REWRITTEN = frozenset(("etag", "content-md5", "content-encoding"))
 
 
 def _probe_path(info: RequestInfo) -> str:

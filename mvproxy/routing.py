@@ -13,7 +13,10 @@ the cost does not grow with the number of resources.
    (``openapi``).
 3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
 4. ``GET /apis/<g>`` of a group some server lists -> the discovery handler (the
-   merged ``APIGroup``, so it agrees with the merged ``/apis``); ``/apis/<g>/<v>``,
+   merged ``APIGroup``, so it agrees with the merged ``/apis``); ``GET /apis/<g>/<v>``
+   (``/api/<v>``) of a group/version the backend serves while peers serve resources
+   or subresources of it that the backend does not -> the discovery handler (the
+   backend's ``APIResourceList`` plus those); ``/apis/<g>/<v>``,
    ``/openapi/v3/apis/<g>/<v>`` (and other forms of ``/apis/<g>``: ``HEAD``, a
    trailing slash) -> backend if it serves the group (version), else a capable peer.
 5. Resource requests -> backend if it serves group/version/resource *and* the
@@ -70,6 +73,9 @@ class Decision:
 TO_BACKEND_PEER_PROXIED = Decision(BACKEND, "peer-proxied")
 TO_DISCOVERY = Decision(DISCOVERY, "discovery")
 TO_GROUP_DISCOVERY = Decision(DISCOVERY, "group discovery")
+TO_RESOURCE_LIST = Decision(DISCOVERY, "group/version resources merged")
+"""``GET /apis/<g>/<v>`` of a group/version the backend serves while peers serve more
+of it: the backend's ``APIResourceList`` plus what only peers list."""
 TO_OPENAPI_INDEX = Decision(OPENAPI_INDEX, "openapi index")
 TO_BACKEND_UNSYNCED = Decision(BACKEND, "not synced")
 TO_BACKEND_LOCAL = Decision(BACKEND, "served locally")
@@ -109,6 +115,10 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credential
     if is_group_discovery(info):
         known = info.api_group in view.local_groups or view.capable_group_peers(info.api_group)
         return TO_GROUP_DISCOVERY if known else TO_BACKEND_NOBODY
+    if is_resource_list(info) and local.serves_group_version(info.api_group, info.api_version):
+        if view.peer_only_resources(info.api_group, info.api_version):
+            return TO_RESOURCE_LIST
+        return TO_BACKEND_LOCAL
     group_version = group_version_path(info)
     if group_version is None:
         return TO_BACKEND_OTHER
@@ -128,6 +138,21 @@ def is_group_discovery(info: RequestInfo) -> bool:
     (which goes to the backend), and no peer is asked."""
     group = info.api_group
     return bool(group) and info.verb == "get" and info.path == f"/apis/{group}"
+
+
+def is_resource_list(info: RequestInfo) -> bool:
+    """``GET /apis/<g>/<v>`` or ``GET /api/<v>`` (a trailing slash too): a legacy
+    ``APIResourceList`` request (kr8s, the Python ``DynamicClient``, kubectl before
+    aggregated discovery)."""
+    if info.verb != "get" or info.is_resource_request or not info.api_version:
+        return False
+    if info.api_prefix == "apis" and info.api_group:
+        expected = f"/apis/{info.api_group}/{info.api_version}"
+    elif info.api_prefix == "api" and not info.api_group:
+        expected = f"/api/{info.api_version}"
+    else:
+        return False
+    return info.path in (expected, expected + "/")
 
 
 def group_version_path(info: RequestInfo) -> tuple[str, str] | None:

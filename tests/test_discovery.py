@@ -524,3 +524,135 @@ def test_the_negotiation_table_covers_every_observed_accept():
     observed = {v for r in _observed_discovery_requests() for k, v in r["headers"]
                 if k.lower() == "accept"}
     assert observed <= table
+
+
+# --------------------------------------------------------------------------- APIResourceList
+# Against discovery captured from real kube-apiservers 1.35.4 and 1.36.3
+# (tests/data/real-discovery/README.md).
+
+REAL = Path(__file__).resolve().parent / "data/real-discovery"
+
+
+def _real(version: str) -> dict:
+    import gzip
+
+    return json.loads(gzip.decompress((REAL / f"{version}.json.gz").read_bytes()))
+
+
+def _real_snapshot(doc: dict) -> Snapshot:
+    return Snapshot(doc["aggregated"]["/api"]["items"], doc["aggregated"]["/apis"]["items"])
+
+
+def _without_hash(entries: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k != "storageVersionHash"} for e in entries]
+
+
+@pytest.mark.parametrize("version", ["1.35.4", "1.36.3"])
+def test_legacy_resources_are_what_kube_apiserver_lists(version: str) -> None:
+    """Every group/version of a real server: the aggregated entries, converted, are its
+    own APIResourceList (in its order, by name), but for storageVersionHash."""
+    from mvproxy.discovery import legacy_resources
+
+    doc = _real(version)
+    assert doc["version"] == f"v{version}"
+    checked = 0
+    for group in doc["aggregated"]["/api"]["items"] + doc["aggregated"]["/apis"]["items"]:
+        name = group["metadata"].get("name", "")
+        for entry in group["versions"]:
+            path = f"/apis/{name}/{entry['version']}" if name else f"/api/{entry['version']}"
+            converted = [e for r in entry["resources"] for e in legacy_resources(r)]
+            real = doc["legacy"][path]["resources"]
+            assert sorted(converted, key=lambda e: e["name"]) == _without_hash(real), path
+            # Field order too: the same bytes a client would see from the server.
+            assert [list(e) for e in sorted(converted, key=lambda e: e["name"])] == \
+                [[k for k in e if k != "storageVersionHash"] for e in real], path
+            checked += 1
+    assert checked > 20  # every group/version each serves
+    # What the conversion must get right: another group's kind, subresources.
+    scale = next(e for e in doc["legacy"]["/apis/apps/v1"]["resources"]
+                 if e["name"] == "deployments/scale")
+    assert (scale["group"], scale["version"], scale["kind"]) == ("autoscaling", "v1", "Scale")
+
+
+def test_an_old_servers_resource_list_merged_is_the_new_servers() -> None:
+    """1.35.4's backend, 1.36.3 as the peer: the legacy admissionregistration.k8s.io/v1
+    document gains MutatingAdmissionPolicies and their bindings, exactly as 1.36.3
+    lists them (storageVersionHash aside), in 1.36.3's order."""
+    from mvproxy.discovery import merge_resource_list, peer_only_resources
+
+    old, new = _real("1.35.4"), _real("1.36.3")
+    local = _real_snapshot(old)
+    merged = merge({"apiserver-0": local, "apiserver-1": _real_snapshot(new)})
+    path, gv = "/apis/admissionregistration.k8s.io/v1", "admissionregistration.k8s.io/v1"
+    extra = peer_only_resources(merged, local, "admissionregistration.k8s.io", "v1")
+    assert [e["name"] for e in extra] == ["mutatingadmissionpolicies",
+                                          "mutatingadmissionpolicybindings"]
+    backend_body = json.dumps(old["legacy"][path], separators=(",", ":")).encode() + b"\n"
+    body = merge_resource_list(backend_body, extra, gv)
+    assert body is not None and body.endswith(b"}\n") and b"\n" not in body[:-1]
+    document = json.loads(body)
+    assert {k: v for k, v in document.items() if k != "resources"} == \
+        {k: v for k, v in new["legacy"][path].items() if k != "resources"}
+    assert _without_hash(document["resources"]) == \
+        _without_hash(new["legacy"][path]["resources"])
+    # The backend's own entries keep their storageVersionHash; the added ones have none.
+    hashes = {e["name"]: "storageVersionHash" in e for e in document["resources"]}
+    assert hashes["validatingadmissionpolicies"] and not hashes["mutatingadmissionpolicies"]
+    # Nothing peer-only elsewhere between these two releases, and nothing the other way.
+    for group, version in local.group_versions - {("admissionregistration.k8s.io", "v1")}:
+        assert not peer_only_resources(merged, local, group, version), (group, version)
+    assert not peer_only_resources(merged, _real_snapshot(new), "admissionregistration.k8s.io",
+                                   "v1")
+
+
+def test_peer_only_subresources_of_shared_resources_are_added() -> None:
+    from mvproxy.discovery import merge_resource_list, peer_only_resources
+
+    def core(subresources: list[str]) -> Snapshot:
+        pods = {"resource": "pods", "scope": "Namespaced", "singularResource": "pod",
+                "responseKind": {"group": "", "version": "", "kind": "Pod"},
+                "verbs": ["get", "list"], "shortNames": ["po"], "categories": ["all"],
+                "subresources": [{"subresource": s, "responseKind": {
+                    "group": "", "version": "", "kind": "Pod"}, "verbs": ["get", "patch"]}
+                    for s in subresources]}
+        return Snapshot([{"metadata": {}, "versions": [{"version": "v1",
+                                                         "resources": [pods]}]}], [])
+
+    local = core(["status"])
+    merged = merge({"a": local, "b": core(["resize", "status"])})
+    extra = peer_only_resources(merged, local, "", "v1")
+    assert extra == ({"name": "pods/resize", "singularName": "", "namespaced": True,
+                      "kind": "Pod", "verbs": ["get", "patch"]},)
+    backend = {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+        {"name": "pods", "singularName": "pod", "namespaced": True, "kind": "Pod",
+         "verbs": ["get", "list"], "storageVersionHash": "xPOwRZ+Yhw8="},
+        {"name": "pods/status", "singularName": "", "namespaced": True, "kind": "Pod",
+         "verbs": ["get", "patch"]}]}
+    body = merge_resource_list(json.dumps(backend).encode(), extra, "v1")
+    assert [r["name"] for r in json.loads(body)["resources"]] == \
+        ["pods", "pods/resize", "pods/status"]
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"not json", "not JSON"),
+    (b'{"kind":"Status","code":403}', "a refusal"),
+    (b'{"kind":"APIResourceList","groupVersion":"apps/v1","resources":[]}', "another GV"),
+    (b'{"kind":"APIResourceList","groupVersion":"v1","resources":{}}', "resources not a list"),
+    (b'{"kind":"APIResourceList","groupVersion":"v1","resources":[1]}', "an entry not an object"),
+])
+def test_what_is_not_the_resource_list_is_left_alone(body: bytes, why: str) -> None:
+    from mvproxy.discovery import merge_resource_list
+
+    extra = [{"name": "pods/resize", "kind": "Pod"}]
+    assert merge_resource_list(body, extra, "v1") is None, why
+
+
+def test_an_unsorted_list_gets_extras_at_the_end_and_duplicates_are_not_added() -> None:
+    from mvproxy.discovery import merge_resource_list
+
+    backend = {"kind": "APIResourceList", "groupVersion": "x.example/v1", "resources": [
+        {"name": "zebras"}, {"name": "apples"}]}
+    raw = json.dumps(backend).encode()
+    body = merge_resource_list(raw, [{"name": "apples"}, {"name": "mangos"}], "x.example/v1")
+    assert [r["name"] for r in json.loads(body)["resources"]] == ["zebras", "apples", "mangos"]
+    assert merge_resource_list(raw, [{"name": "apples"}], "x.example/v1") is raw

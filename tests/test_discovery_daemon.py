@@ -405,3 +405,123 @@ async def test_a_forwarded_discovery_request_that_fails_is_retryable_too(
             assert body == _status(code, reason, message), mode
             assert fields.get("Retry-After") == "1", mode
         assert await c.metric(NOPEER) == before + len(failures)  # all forwarded
+
+
+# --------------------------------------------------------------------------- /apis/<g>/<v>
+# The legacy APIResourceList of a group/version both serve, with a resource only the
+# peer has (kube-apiserver 1.35 and 1.36 both serve admissionregistration.k8s.io/v1;
+# only 1.36 has mutatingadmissionpolicies in it): kr8s and the Python DynamicClient
+# read /apis/<g>/<v> and would not find it.
+
+SPROCKETS = {"resource": "sprockets", "scope": "Cluster", "singularResource": "sprocket",
+             "verbs": ["get", "list"], "shortNames": ["spr"],
+             "responseKind": {"group": "", "version": "", "kind": "Sprocket"},
+             "subresources": [{"subresource": "status", "verbs": ["get", "patch"],
+                               "responseKind": {"group": "", "version": "",
+                                                "kind": "Sprocket"}}]}
+WIDGETS_V1 = f"/apis/{WIDGETS}/v1"
+
+
+def _with_sprockets(group: dict) -> dict:
+    version = {**group["versions"][0]}
+    version["resources"] = [*version["resources"], SPROCKETS]
+    return {**group, "versions": [version]}
+
+
+def kube_like_resource_list(app: web.Application) -> None:
+    """``/apis/widgets.example.com/v1`` as kube-apiserver answers it: 401 without
+    credentials, 403 for ``nodiscovery``, then JSON or protobuf as asked."""
+
+    async def resource_list(request: web.Request) -> web.Response:
+        audit = {"Audit-Id": str(uuid.uuid4()), "X-Seen-Accept": request.headers.get(
+            "Accept", ""), "X-Seen-Accept-Encoding": request.headers.get("Accept-Encoding", "")}
+        token = request.headers.get("Authorization", "")
+        if "X-Remote-User" not in request.headers and token not in (
+                "Bearer good", "Bearer nodiscovery"):
+            return web.json_response(_status(401, "Unauthorized", "Unauthorized"),
+                                     status=401, headers=audit)
+        if token == "Bearer nodiscovery":
+            return web.json_response(_status(
+                403, "Forbidden", f'forbidden: User "nobody" cannot get path "{request.path}"'),
+                status=403, headers=audit)
+        if request.headers.get("Accept", "").startswith("application/vnd.kubernetes.protobuf"):
+            return web.Response(body=b"k8s\x00protobuf", headers=audit,
+                                content_type="application/vnd.kubernetes.protobuf")
+        return web.Response(body=json.dumps({
+            "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{WIDGETS}/v1",
+            "resources": [{"name": "widgets", "singularName": "", "namespaced": True,
+                           "kind": "Widget", "verbs": ["get", "list"],
+                           "storageVersionHash": "abc="}]}).encode() + b"\n",
+            headers={**audit, "ETag": '"backend-own"'}, content_type="application/json")
+
+    app.router.add_route("GET", WIDGETS_V1 + "{slash:/?}", resource_list)
+
+
+def resource_list_cluster(aiohttp_server, root):
+    return cluster(aiohttp_server, root, backend_routes=kube_like_resource_list,
+                   peer_routes=kube_like_resource_list, backend_groups=[_group(WIDGETS, "v1")],
+                   peer_groups=[_with_sprockets(_group(WIDGETS, "v1"))])
+
+
+def _names(body: bytes) -> list[str]:
+    return [r["name"] for r in json.loads(body)["resources"]]
+
+
+async def test_resource_list_gains_what_only_peers_serve(aiohttp_server, root):
+    async with resource_list_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for path in (WIDGETS_V1, WIDGETS_V1 + "/"):
+            status, headers, body = await c.get(path, headers={
+                "Accept": "application/json", "Accept-Encoding": "gzip"})
+            assert status == 200, body
+            assert _names(body) == ["sprockets", "sprockets/status", "widgets"]
+            document = json.loads(body)
+            assert document["resources"][0] == {
+                "name": "sprockets", "singularName": "sprocket", "namespaced": False,
+                "kind": "Sprocket", "verbs": ["get", "list"], "shortNames": ["spr"]}
+            assert document["resources"][2]["storageVersionHash"] == "abc="  # the backend's
+            assert body.endswith(b"}\n")
+            # The backend's own answer, rewritten: its fields but not its ETag; asked as
+            # JSON, without compression.
+            assert headers["Content-Type"] == "application/json" and "Audit-Id" in headers
+            assert "ETag" not in headers and int(headers["Content-Length"]) == len(body)
+            assert (headers["X-Seen-Accept"], headers["X-Seen-Accept-Encoding"]) == (
+                "application/json", "")
+        # Protobuf first, JSON accepted: merged JSON (as for /apis).
+        status, headers, body = await c.get(WIDGETS_V1, headers={
+            "Accept": "application/vnd.kubernetes.protobuf, application/json"})
+        assert status == 200 and headers["Content-Type"] == "application/json", body
+        assert "sprockets" in _names(body)
+
+
+async def test_resource_list_refusals_and_other_encodings_are_the_backends(
+        aiohttp_server, root):
+    async with resource_list_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, headers, body = await c.get(WIDGETS_V1, headers={
+            "Accept": "application/vnd.kubernetes.protobuf"})
+        assert (status, headers["Content-Type"], body) == (
+            200, "application/vnd.kubernetes.protobuf", b"k8s\x00protobuf")
+        status, _, body = await c.get(WIDGETS_V1, who="bearer",
+                                      headers={"Authorization": "Bearer nodiscovery"})
+        assert status == 403 and json.loads(body)["message"] == (
+            f'forbidden: User "nobody" cannot get path "{WIDGETS_V1}"'), body
+        status, _, body = await c.get(WIDGETS_V1, who="bearer")
+        assert (status, json.loads(body)["reason"]) == (401, "Unauthorized")
+        status, _, body = await c.get(WIDGETS_V1, who="bearer",
+                                      headers={"Authorization": "Bearer good"})
+        assert status == 200 and "sprockets" in _names(body), body
+        # A peer asks for the backend's own view.
+        status, _, body = await c.get(WIDGETS_V1, who="peer",
+                                      headers={"X-Remote-User": "someone",
+                                               "x-kubernetes-peer-proxied": "true"})
+        assert status == 200 and _names(body) == ["widgets"], body
+
+
+async def test_resource_list_when_the_backend_fails(aiohttp_server, root):
+    async with resource_list_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        await c.backend_server.close()
+        status, headers, body = await c.get(WIDGETS_V1)
+        assert status == 503 and headers.get("Retry-After"), body
+        assert json.loads(body)["kind"] == "Status"

@@ -275,6 +275,30 @@ TABLE = [
     row("/apis/<g>// is not group discovery", "upgrade", "GET", f"{SCHED}//", BACKEND),
     row("resource of a group only a peer serves goes to the peer", "group on peer", "GET",
         "/apis/widgets.example.com/v1/widgets", PEER, [B]),
+    # 4b. legacy /apis/<g>/<v> of a group/version the backend serves while peers serve
+    # more of it: the backend's APIResourceList plus theirs (kr8s, DynamicClient)
+    row("GET /api/v1 with a peer-only subresource is merged", "resize on peer", "GET",
+        "/api/v1", DISCOVERY, reason="group/version resources merged"),
+    row("GET /api/v1/ (slash) is merged too", "resize on peer", "GET", "/api/v1/", DISCOVERY,
+        reason="group/version resources merged"),
+    row("the peer down: still merged (as aggregated discovery lists it)",
+        "resize on peer, down", "GET", "/api/v1", DISCOVERY,
+        reason="group/version resources merged"),
+    row("no credentials: merged, the backend's answer decides", "resize on peer", "GET",
+        "/api/v1", DISCOVERY, credentials=False, reason="group/version resources merged"),
+    row("HEAD /api/v1 stays on the backend", "resize on peer", "HEAD", "/api/v1", BACKEND,
+        reason="not an API request"),
+    row("peer-proxied /api/v1 goes to the backend", "resize on peer", "GET", "/api/v1",
+        BACKEND, peer_proxied=True, reason="peer-proxied"),
+    row("a group/version whose new subresource only the peer has is merged", "upgrade",
+        "GET", "/apis/resource.k8s.io/v1beta2", DISCOVERY,
+        reason="group/version resources merged"),
+    row("the backend serving more of it: local", "downgrade", "GET",
+        "/apis/resource.k8s.io/v1beta2", BACKEND, reason="served locally"),
+    row("its OpenAPI document stays local", "upgrade", "GET",
+        "/openapi/v3/apis/resource.k8s.io/v1beta2", BACKEND, reason="served locally"),
+    row("nothing peer-only in core v1: local", "group on peer", "GET", "/api/v1", BACKEND,
+        reason="served locally"),
     # 5. everything else
     row("/api/v1 stays local", "upgrade", "GET", "/api/v1", BACKEND),
     row("/healthz goes to the backend", "upgrade", "GET", "/healthz", BACKEND,
@@ -431,6 +455,7 @@ def _unwalkable(snapshot: Snapshot) -> Snapshot:
 @pytest.mark.parametrize("method, path", [
     ("GET", PODGROUPS), ("GET", "/api/v1/namespaces/ns/pods"), ("GET", f"{SCHED}/v1alpha2"),
     ("GET", SCHED), ("GET", f"/openapi/v3{SCHED}/v1alpha2"), ("GET", "/apis/x.example/v1/ys"),
+    ("GET", "/apis/resource.k8s.io/v1beta2"), ("GET", "/api/v1"),
     ("PATCH", "/api/v1/namespaces/ns/pods/web/status"),
 ])
 @pytest.mark.parametrize("credentials", [True, False], ids=["credentials", "none"])
