@@ -8,8 +8,14 @@ Three kinds of downstream (DESIGN.md "Identity"):
   ``x-kubernetes-peer-proxied`` headers are believed: the peer authenticated the
   user and vouches for it.
 - a **user** with a client certificate verified against ``clientCAFile``: user = CN,
-  groups = O. mvproxy forwards it as ``X-Remote-User``/``X-Remote-Group``, which the
-  backend accepts because mvproxy presents its front-proxy client certificate.
+  groups = O, and what kube-apiserver's x509 authenticator adds (1.33+): the extra
+  ``authentication.kubernetes.io/credential-id`` = ``X509SHA256=<hex SHA-256 of the
+  certificate>``, and the UID from the subject's UID attribute (OID
+  1.3.6.1.4.1.57683.2) if it has one. mvproxy forwards them as ``X-Remote-User``,
+  ``X-Remote-Group``, ``X-Remote-Extra-Authentication.kubernetes.io%2Fcredential-id``
+  and ``X-Remote-Uid``, which the backend accepts because mvproxy presents its
+  front-proxy client certificate (the UID only where kube-apiserver runs with
+  ``--requestheader-uid-headers=X-Remote-Uid``; kubeadm does not set it).
 - anyone else (bearer token, or nothing): **anonymous** to mvproxy; credentials pass
   through unchanged and the backend decides, seeing no client certificate at all.
 
@@ -35,6 +41,7 @@ so a removed CA stops identifying anyone at once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -51,7 +58,13 @@ log = logging.getLogger(__name__)
 
 REMOTE_USER = "X-Remote-User"
 REMOTE_GROUP = "X-Remote-Group"
+REMOTE_UID = "X-Remote-Uid"
 REMOTE_PREFIX = "x-remote-"
+CREDENTIAL_ID_HEADER = "X-Remote-Extra-Authentication.kubernetes.io%2Fcredential-id"
+"""kube-apiserver's ``user.CredentialIDKey`` as a requestheader extra (the key is
+path-escaped in the header name and lowercased when read, as the aggregator sends it)."""
+X509_UID = x509.ObjectIdentifier("1.3.6.1.4.1.57683.2")
+"""The subject attribute kube-apiserver reads a certificate user's UID from."""
 
 PEER, USER, ANONYMOUS, REFUSED = "peer", "user", "anonymous", "refused"
 
@@ -65,6 +78,10 @@ class Downstream:
     groups: tuple[str, ...] = ()
     reason: str = ""
     """For ``REFUSED``: why the certificate cannot identify anyone (shown to the client)."""
+    uid: str = ""
+    credential_id: str = ""
+    """For a USER: what kube-apiserver's x509 authenticator records as its credential
+    (``X509SHA256=<hex>``)."""
     header_lines: bytes = field(default=b"", compare=False, repr=False)
     """The ``X-Remote-*`` lines asserted for a USER, encoded once per identity (every
     request of its connection sends them)."""
@@ -74,20 +91,39 @@ class Downstream:
         return self.kind == PEER
 
 
-def user_downstream(user: str, groups: tuple[str, ...]) -> Downstream:
+def user_downstream(user: str, groups: tuple[str, ...], *, uid: str = "",
+                    credential_id: str = "") -> Downstream:
     """A certificate user, with its header lines; REFUSED if a name cannot be sent as
     a header value as it is: a control character, or surrounding space or tab (the
     backend trims those, so `` admin`` would arrive as ``admin``)."""
-    for name in (user, *groups):
+    for name in (user, *groups, uid):
         if name != name.strip(" \t") or any(c < " " or c == "\x7f" for c in name):
             return UNSENDABLE_DOWNSTREAM
-    lines = [f"{REMOTE_USER}: {user}\r\n", *(f"{REMOTE_GROUP}: {g}\r\n" for g in groups)]
-    text = "".join(lines)
+    downstream = Downstream(USER, user, groups, uid=uid, credential_id=credential_id)
+    text = "".join(f"{name}: {value}\r\n" for name, value in identity_headers(downstream))
     try:
         encoded = text.encode("latin-1")
     except UnicodeEncodeError:
         return UNSENDABLE_DOWNSTREAM
-    return Downstream(USER, user, groups, header_lines=encoded)
+    return Downstream(USER, user, groups, uid=uid, credential_id=credential_id,
+                      header_lines=encoded)
+
+
+def credential_id(der: bytes) -> str:
+    """kube-apiserver's credential ID of a client certificate (x509.go)."""
+    return "X509SHA256=" + hashlib.sha256(der).hexdigest()
+
+
+def certificate_uid(cert: x509.Certificate) -> str | None:
+    """The subject's UID attribute as kube-apiserver reads it: "" if there is none,
+    None (it refuses the certificate) if there are several, an empty one or one that
+    is not a string."""
+    values = [a.value for a in cert.subject if a.oid == X509_UID]
+    if not values:
+        return ""
+    if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
+        return None
+    return values[0]
 
 
 ANONYMOUS_DOWNSTREAM = Downstream(ANONYMOUS)
@@ -99,6 +135,9 @@ AMBIGUOUS_DOWNSTREAM = Downstream(
     REFUSED, reason="the client certificate has more than one common name (CN); "
                     "kube-apiserver would use the last one and tools show the first, so "
                     "it identifies nobody here")
+BAD_UID_DOWNSTREAM = Downstream(
+    REFUSED, reason="the client certificate's subject has several UIDs, an empty one or "
+                    "one that is not a string; kube-apiserver refuses such a certificate")
 
 
 class IdentityResolver:
@@ -155,7 +194,10 @@ class IdentityResolver:
         if cn in self._allowed and tls.issued_by_any(cert, self._peer_cas):
             return Downstream(PEER, cn, orgs)
         if cn and tls.issued_by_any(cert, self._client_cas):
-            return user_downstream(cn, orgs)
+            uid = certificate_uid(cert)
+            if uid is None:
+                return BAD_UID_DOWNSTREAM
+            return user_downstream(cn, orgs, uid=uid, credential_id=credential_id(der))
         return ANONYMOUS_DOWNSTREAM
 
 
@@ -217,5 +259,10 @@ def identity_headers(downstream: Downstream) -> list[tuple[str, str]]:
     """The ``X-Remote-*`` headers mvproxy itself asserts for a certificate user."""
     if downstream.kind != USER:
         return []
-    return [(REMOTE_USER, downstream.user), *((REMOTE_GROUP, g) for g in downstream.groups)]
+    headers = [(REMOTE_USER, downstream.user), *((REMOTE_GROUP, g) for g in downstream.groups)]
+    if downstream.uid:
+        headers.append((REMOTE_UID, downstream.uid))
+    if downstream.credential_id:
+        headers.append((CREDENTIAL_ID_HEADER, downstream.credential_id))
+    return headers
 

@@ -13,6 +13,7 @@ is an ordinary USER; a certificate with several CNs identifies nobody.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -43,14 +44,19 @@ PEER_NAME = devpki.FRONT_PROXY_CLIENT_CN
 def issue(root: Path, *cns: str, orgs: tuple[str, ...] = (), ca: str = "ca") -> bytes:
     """DER of a client certificate signed by ``root``'s CA ``ca`` (``ca`` or
     ``front-proxy-ca``), with the CNs in ``cns`` in that order."""
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns] + [
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
+    return issue_with_subject(root, x509.Name(attrs), ca=ca)
+
+
+def issue_with_subject(root: Path, subject: x509.Name, *, ca: str = "ca") -> bytes:
+    """DER of a client certificate for ``subject`` signed by ``root``'s CA ``ca``."""
     ca_cert = x509.load_pem_x509_certificate((root / f"{ca}.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((root / f"{ca}.key").read_bytes(),
                                                 password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns] + [
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
     now = datetime.now(timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name(attrs))
+    cert = (x509.CertificateBuilder().subject_name(subject)
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
@@ -135,7 +141,12 @@ def resolver(roots) -> IdentityResolver:
     "several CNs from an untrusted CA is ANONYMOUS",
 ])
 def test_roles_by_issuing_ca_and_name(resolver, certs, name, expected):
-    assert resolver.resolve(certs[name]) == expected
+    got = resolver.resolve(certs[name])
+    if expected.kind == USER:  # and the credential kube-apiserver records for it
+        import hashlib
+        expected = dataclasses.replace(
+            expected, credential_id="X509SHA256=" + hashlib.sha256(certs[name]).hexdigest())
+    assert got == expected
 
 
 @pytest.mark.parametrize("name", [
@@ -266,6 +277,47 @@ def test_identity_headers():
     assert identity_headers(Downstream(USER, "bob")) == [("X-Remote-User", "bob")]
     assert identity_headers(PEER_DS) == []  # a peer's own X-Remote-* pass through instead
     assert identity_headers(ANONYMOUS_DOWNSTREAM) == []
+
+
+def test_a_certificate_users_credential_id_and_uid_go_upstream(roots):
+    """What kube-apiserver's x509 authenticator adds to a certificate user (1.33+,
+    staging/src/k8s.io/apiserver/pkg/authentication/request/x509/x509.go): the extra
+    authentication.kubernetes.io/credential-id, X509SHA256=<hex SHA-256 of the DER>,
+    and the UID from the subject's 1.3.6.1.4.1.57683.2 attribute. Sent as requestheader
+    fields, the key path-escaped (read back lowercased and unescaped)."""
+    import hashlib
+
+    good, _ = roots
+    resolver = IdentityResolver(client_ca_file=str(good / "ca.crt"),
+                                peer_client_ca_file=str(good / "front-proxy-ca.crt"),
+                                peer_allowed_names=[PEER_NAME])
+
+    def with_subject(*attributes: x509.NameAttribute) -> bytes:
+        return issue_with_subject(good, x509.Name(list(attributes)))
+
+    cn = x509.NameAttribute(NameOID.COMMON_NAME, "carol")
+    org = x509.NameAttribute(NameOID.ORGANIZATION_NAME, "team-c")
+    uid = x509.NameAttribute(identity.X509_UID, "carol-uid-1")
+    der = with_subject(cn, org, uid)
+    carol = resolver.resolve(der)
+    fingerprint = "X509SHA256=" + hashlib.sha256(der).hexdigest()
+    assert (carol.kind, carol.user, carol.groups, carol.uid, carol.credential_id) == (
+        USER, "carol", ("team-c",), "carol-uid-1", fingerprint)
+    assert identity_headers(carol) == [
+        ("X-Remote-User", "carol"), ("X-Remote-Group", "team-c"),
+        ("X-Remote-Uid", "carol-uid-1"),
+        ("X-Remote-Extra-Authentication.kubernetes.io%2Fcredential-id", fingerprint)]
+    assert carol.header_lines == "".join(
+        f"{n}: {v}\r\n" for n, v in identity_headers(carol)).encode()
+    # No UID attribute: no X-Remote-Uid; several, or an empty one: kube refuses it.
+    plain = resolver.resolve(with_subject(cn))
+    assert plain.uid == "" and b"X-Remote-Uid" not in plain.header_lines
+    for bad in (with_subject(cn, uid, x509.NameAttribute(identity.X509_UID, "other")),
+                with_subject(cn, x509.NameAttribute(identity.X509_UID, ""))):
+        assert resolver.resolve(bad).kind == REFUSED
+    # A UID that cannot be sent as it is: refused like such a name.
+    assert resolver.resolve(with_subject(
+        cn, x509.NameAttribute(identity.X509_UID, "a\tb "))).kind == REFUSED
 
 
 def test_constants_match_upstream_names():

@@ -18,6 +18,7 @@ Tokens and bodies are never logged or audited.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import ipaddress
 import json
@@ -70,6 +71,7 @@ DISCOVERY_PATHS = ("/api", "/api/*", "/apis", "/apis/*", "/openapi", "/openapi/*
 _READ_VERBS = frozenset(("get", "list", "watch"))
 #: mvproxy's own identity for Lease membership (``mvproxy.kubeclient``) and what the
 #: README's Role grants it: Leases in kube-system, nothing else (a stand-in for RBAC).
+CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
 MVPROXY_GROUP = "system:mvproxies"
 MVPROXY_LEASE_NAMESPACE = "kube-system"
 _LEASE_VERBS = frozenset(("get", "list", "watch", "create", "update", "delete"))
@@ -235,7 +237,8 @@ class Authenticator:
         return UserInfo(name, "", groups, _prefixed_headers(request, "X-Remote-Extra-"))
 
     def _client_cert(self, request: web.Request, cert: x509.Certificate | None) -> _Result:
-        """CN is the user, O the groups (kube's x509 authenticator)."""
+        """CN is the user, O the groups, and the certificate's fingerprint the extra
+        authentication.kubernetes.io/credential-id (kube's x509 authenticator, 1.33+)."""
         if cert is None:
             return None
         if not issued_by_any(cert, self.cluster_cas):
@@ -243,7 +246,8 @@ class Authenticator:
         cn, orgs = _identity(cert)
         if not cn:
             return None
-        return UserInfo(cn, groups=orgs)
+        fingerprint = hashlib.sha256(cert.public_bytes(Encoding.DER)).hexdigest()
+        return UserInfo(cn, groups=orgs, extra={CREDENTIAL_ID: (f"X509SHA256={fingerprint}",)})
 
     def _bearer_token(self, request: web.Request, cert: x509.Certificate | None) -> _Result:
         parts = request.headers.get("Authorization", "").split(" ", 2)
