@@ -203,9 +203,15 @@ def _write_kubeconfig(cluster: RealCluster, tokens: dict[str, str]) -> Path:
 def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     binaries = require_binaries(VERSIONS)
     root = tmp_path_factory.mktemp("real-e2e")
-    with start_real_cluster(root / "demo", VERSIONS, 0, binaries=binaries) as cluster:
+    # X-Remote-Uid read, as kube-apiserver's aggregation layer expects (kubeadm does not
+    # set it): without, a certificate user's UID is lost behind any front proxy.
+    uid_headers = ["--requestheader-uid-headers=X-Remote-Uid"]
+    with start_real_cluster(root / "demo", VERSIONS, 0, binaries=binaries,
+                            extra_apiserver_args={OLD: uid_headers, NEW: uid_headers}
+                            ) as cluster:
         issue_client_certificate(cluster.pki, "alice", "alice", ["team-a"])
         issue_client_certificate(cluster.pki, "bob", "bob")
+        _issue_with_uid(cluster.pki, "dave", "dave", "dave-uid-7")
         _rbac(cluster)
         _allowed_everywhere(cluster, "alice", ["team-a"], "create", MAP_RESOURCE, MAP_GROUP)
         _allowed_everywhere(cluster, "bob", [], "list", MAP_RESOURCE, MAP_GROUP)
@@ -682,3 +688,180 @@ def test_kr8s_through_the_old_mvproxy(e2e: E2E) -> None:
     assert MAP_RESOURCE in kinds and "kr8s-seen" in names and uid
     created = wait_for_audit(e2e.audit(NEW), _is_map_request("create", "kr8s-made"))
     assert created["user"]["username"] == "alice" and created["userAgent"].startswith("kr8s")
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def _issue_with_uid(pki: Path, name: str, common_name: str, uid: str) -> None:
+    """``pki/users/<name>.crt`` for ``common_name`` with the subject UID attribute
+    kube-apiserver reads (1.3.6.1.4.1.57683.2), signed by the cluster CA."""
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                                     x509.NameAttribute(x509.ObjectIdentifier(
+                                         "1.3.6.1.4.1.57683.2"), uid)]))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    users = pki / "users"
+    (users / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (users / f"{name}.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+
+
+@dataclass(frozen=True)
+class Credential:
+    cert: str | None = None  # pki/<cert>.crt
+    token: str | None = None  # a key of E2E.tokens
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+CREDENTIALS = {
+    "client certificate": Credential(cert="users/alice"),
+    "client certificate with a UID": Credential(cert="users/dave"),
+    "static token (system:masters)": Credential(token="admin-token"),
+    "static token (viewer)": Credential(token="viewer-token"),
+    "service account token": Credential(token="robot"),
+    "impersonation (certificate user)": Credential(cert="users/alice", headers=(
+        ("Impersonate-User", "bob"), ("Impersonate-Group", "viewer"),
+        ("Impersonate-Extra-Scopes", "e2e"))),
+    "impersonation (token user)": Credential(token="admin-token", headers=(
+        ("Impersonate-User", "system:serviceaccount:e2e:robot"),)),
+}
+
+
+def _as(e2e: E2E, who: Credential, sid: str, method: str, path: str, *, direct: bool,
+        body: Any = None) -> Answer:
+    return request(e2e.cluster, sid, method, path, cert=who.cert, direct=direct, body=body,
+                   token=e2e.tokens[who.token] if who.token else None,
+                   headers=dict(who.headers), source=CLIENT_IP)
+
+
+SELF_REVIEW = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
+
+
+@pytest.mark.parametrize("kind", CREDENTIALS)
+def test_identity_through_mvproxy_is_the_identity_directly(e2e: E2E, kind: str) -> None:
+    """Who the servers take the client for, asked through the old mvproxy (its backend
+    answers) and straight from both servers; then a peer-routed request: the new
+    server's audit records the same user (and impersonated user) as for the same
+    request sent to it directly, and the answer is the same."""
+    who = CREDENTIALS[kind]
+    review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+    seen = [_as(e2e, who, sid, "POST", SELF_REVIEW, direct=direct, body=review)
+            for sid, direct in ((OLD, False), (OLD, True), (NEW, True))]
+    assert all(a.status == 201 for a in seen), seen
+    infos = [a.json()["status"]["userInfo"] for a in seen]
+    assert infos[0] == infos[1] == infos[2], infos
+    if who.cert == "users/dave":
+        assert infos[0]["uid"] == "dave-uid-7", infos[0]  # kube reads it, so must mvproxy
+
+    audited = {}
+    for how, sid, direct in (("via", OLD, False), ("direct", NEW, True)):
+        marker = "-".join(kind.replace("(", "").replace(")", "").replace(":", "").split()
+                          + [how])
+        answer = _as(e2e, who, sid, "GET", f"{MAPS}?labelSelector=e2e%3D{marker}",
+                     direct=direct)
+        entry = wait_for_audit(e2e.audit(NEW), lambda e, m=marker: m in e["requestURI"]
+                               and e["stage"] == "ResponseComplete", f"the {how} list")
+        audited[how] = (answer.status, answer.json()["kind"], entry)
+    (via_status, via_kind, via), (direct_status, direct_kind, direct) = \
+        audited["via"], audited["direct"]
+    assert (via_status, via_kind) == (direct_status, direct_kind)
+    assert via["user"] == direct["user"], (via["user"], direct["user"])
+    assert via.get("impersonatedUser") == direct.get("impersonatedUser")
+    assert via["sourceIPs"][0] == direct["sourceIPs"][0] == CLIENT_IP
+    assert via["responseStatus"]["code"] == direct["responseStatus"]["code"] == via_status
+
+
+def test_kubectl_impersonation_through_the_old_mvproxy(e2e: E2E) -> None:
+    """``kubectl --as``/``--as-group`` as alice: the new server authorizes the
+    impersonated user, as when kubectl talks to it directly."""
+    _created_directly(e2e, "impersonated")
+    try:
+        for context in (f"{OLD}:alice", f"{NEW}-direct:alice"):
+            got = kubectl(e2e, "1.35", context, "get", MAP_NAME, "impersonated", "-o", "name",
+                          "--as", "bob", "--as-group", "viewer")
+            assert got.stdout.strip() == \
+                f"mutatingadmissionpolicy.{MAP_GROUP}/impersonated"  # kubectl's singular
+        refusals = [kubectl(e2e, "1.35", context, "delete", MAP_NAME, "impersonated",
+                            "--as", "bob", "--as-group", "viewer", check=False)
+                    for context in (f"{OLD}:alice", f"{NEW}-direct:alice")]
+        assert all(r.returncode == 1 for r in refusals), refusals
+        assert refusals[0].stderr == refusals[1].stderr
+        assert 'User "bob" cannot delete resource "mutatingadmissionpolicies"' in \
+            refusals[0].stderr
+        entry = wait_for_audit(e2e.audit(NEW), lambda e: _is_map_request(
+            "delete", "impersonated")(e) and e.get("impersonatedUser"), "the refused delete")
+        assert entry["user"]["username"] == "alice"
+        assert entry["impersonatedUser"] == {"username": "bob",
+                                             "groups": ["viewer", "system:authenticated"]}
+        assert entry["responseStatus"]["code"] == 403
+    finally:
+        request(e2e.cluster, NEW, "DELETE", f"{MAPS}/impersonated", direct=True)
+
+
+@pytest.mark.parametrize(("path", "owner"), [
+    (CONFIGMAPS, OLD), (MAPS, NEW),
+], ids=["local", "peer-routed"])
+def test_rbac_decides_on_the_real_server(e2e: E2E, path: str, owner: str) -> None:
+    """bob may read ConfigMaps and MutatingAdmissionPolicies, not create them: through
+    the old mvproxy he gets exactly the real server's 200 and 403 Status."""
+    bob = Credential(cert="users/bob")
+    body = (_map("by-bob") if path == MAPS else
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "by-bob"}})
+    for method, payload, status in (("GET", None, 200), ("POST", body, 403)):
+        via = _as(e2e, bob, OLD, method, path, direct=False, body=payload)
+        direct = _as(e2e, bob, owner, method, path, direct=True, body=payload)
+        assert (via.status, direct.status) == (status, status), (via, direct)
+        assert via.headers["Content-Type"] == direct.headers["Content-Type"]
+        if status == 403:
+            refusal = via.json()
+            assert refusal == direct.json(), (refusal, direct.json())
+            assert (refusal["kind"], refusal["reason"], refusal["code"]) == (
+                "Status", "Forbidden", 403)
+            assert 'User "bob" cannot create resource' in refusal["message"]
+
+
+ANONYMOUS_PATHS = ["/healthz", "/livez", "/readyz", "/version", "/readyz?verbose",
+                   "/livez/ping", "/api", "/apis", "/api/v1/namespaces", CONFIGMAPS, MAPS,
+                   f"{MAPS}/nothing", f"/apis/{MAP_GROUP}/{MAP_VERSION}"]
+
+
+@pytest.mark.parametrize("via", [OLD, NEW])
+def test_anonymous_requests_answer_as_directly(e2e: E2E, via: str) -> None:
+    """No credentials at all, under kube-apiserver's default anonymous policy: the
+    health and version endpoints answer everyone, the rest is refused; through each
+    mvproxy exactly as its server answers directly (status, type, body), the resource
+    only the new server serves included (the old server's refusal through the old
+    mvproxy, which asks no peer for an anonymous client)."""
+    for path in ANONYMOUS_PATHS:
+        direct = request(e2e.cluster, via, "GET", path, cert=None, direct=True)
+        answer = request(e2e.cluster, via, "GET", path, cert=None)
+        assert (answer.status, answer.headers["Content-Type"], answer.body) == (
+            direct.status, direct.headers["Content-Type"], direct.body), (path, answer, direct)
+        public = path.split("?")[0] in ("/healthz", "/livez", "/readyz", "/version")
+        assert answer.status == (200 if public else 403), (path, answer)
+    # The refusal names the resource, not where it is served: the same on both servers,
+    # and the old mvproxy's backend gave it (it was asked, so the new server was not).
+    refusals = [request(e2e.cluster, sid, "GET", MAPS, cert=None, direct=True)
+                for sid in (OLD, NEW)]
+    assert refusals[0].body == refusals[1].body
+    marked = f"{MAPS}?labelSelector=anonymous-via-{via}"
+    assert request(e2e.cluster, via, "GET", marked, cert=None).status == 403
+    entry = wait_for_audit(e2e.audit(via), lambda e: e["requestURI"] == marked)
+    assert entry["user"]["username"] == "system:anonymous"
