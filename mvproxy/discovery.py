@@ -481,8 +481,9 @@ def merge(snapshots: Mapping[str, Snapshot], *, stale: Collection[str] = ()) -> 
 # --------------------------------------------------------------------------- rendering
 
 def _compact(doc: object) -> bytes:
+    """As kube-apiserver writes JSON (Go's ``json.Encoder``): compact, then a newline."""
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+                      allow_nan=False).encode("utf-8") + b"\n"
 
 
 def render_aggregated(groups: Iterable[Mapping], *, api_version: str = API_VERSION_V2) -> bytes:
@@ -596,7 +597,7 @@ def merge_resource_list(body: bytes, extra: Sequence[Mapping], group_version: st
     entries of ``extra`` it lacks; None if ``body`` is not that document (then it is
     relayed as it came). The backend lists resources by name (subresources right after
     their resource): a sorted list stays sorted, any other order gets the extra entries
-    at the end. Written as kube-apiserver writes JSON: compact, one trailing newline."""
+    at the end."""
     try:
         document = json.loads(body)
     except ValueError:
@@ -617,7 +618,7 @@ def merge_resource_list(body: bytes, extra: Sequence[Mapping], group_version: st
     if in_order:
         merged.sort(key=lambda r: r["name"])
     document["resources"] = merged
-    return _compact(document) + b"\n"
+    return _compact(document)
 
 
 def etag(body: bytes) -> str:

@@ -303,7 +303,7 @@ def test_aggregated_rendering_rejects_other_api_versions():
 def test_legacy_api_versions():
     core = release_snapshot("1.36").core
     assert render_api_versions(core) == (
-        b'{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}')
+        b'{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}\n')
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -333,7 +333,9 @@ def test_api_group_is_what_the_release_serves_byte_for_byte(version):
     release_catalog = catalog.load_catalog(version)
     for group in release_snapshot(version).groups:
         expected = discoverydocs.api_group(release_catalog, group["metadata"]["name"])
-        assert render_api_group(group) == json.dumps(expected, separators=(",", ":")).encode()
+        # Go's json.Encoder, as kube-apiserver writes: compact, then a newline.
+        assert render_api_group(group) == \
+            json.dumps(expected, separators=(",", ":")).encode() + b"\n"
 
 
 def test_api_group_agrees_with_the_merged_group_list():
@@ -357,7 +359,7 @@ def test_api_group_prefers_the_first_version_not_stale():
         b'{"kind":"APIGroup","apiVersion":"v1","name":"widgets.example.com","versions":['
         b'{"groupVersion":"widgets.example.com/v2","version":"v2"},'
         b'{"groupVersion":"widgets.example.com/v1","version":"v1"}],'
-        b'"preferredVersion":{"groupVersion":"widgets.example.com/v1","version":"v1"}}')
+        b'"preferredVersion":{"groupVersion":"widgets.example.com/v1","version":"v1"}}\n')
 
 
 def test_etag_has_upstreams_format():
