@@ -23,7 +23,7 @@ from typing import Any
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
 
-from mvproxy import forwarding, openapi, routing
+from mvproxy import discovery, forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import UpstreamError
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 OPENAPI_INDEX_MAX_BYTES = 4 * 1024 * 1024
 """The index lists one short entry per group/version: megabytes would be garbage."""
+OPENAPI_DOCUMENT_MAX_BYTES = 64 * 1024 * 1024
+"""One group/version's OpenAPI v3 document, read whole to be merged (core v1 of a real
+1.36 server: about 1.5 MB; a CRD group with huge schemas is larger)."""
 
 
 def reply(exchange: Exchange, answer: Reply) -> None:
@@ -231,6 +234,8 @@ class Proxy:
         try:
             if route == routing.DISCOVERY:
                 await self.discovery.handle(exchange, info)
+            elif route == routing.OPENAPI_INDEX and decision.reason == routing.OPENAPI_MERGED:
+                await self._openapi_document(exchange, decision.peers)
             elif route == routing.OPENAPI_INDEX:
                 await self._openapi_index(exchange, downstream)
             elif route == routing.UNAVAILABLE:
@@ -341,6 +346,73 @@ class Proxy:
             body = openapi.merge_index(answer.body, self.cache.view()) or answer.body
         exchange.respond(answer.status, [
             ("Content-Type", answer.headers.get("Content-Type", "application/json"))], body)
+
+    async def _openapi_document(self, exchange: Exchange, peers: tuple[str, ...]) -> None:
+        """``/openapi/v3/apis/<g>/<v>`` of a group/version the backend serves while
+        ``peers`` serve more of it: the backend's document (asked with the client's
+        credentials, without the hash, which names the backend's own) plus, from the
+        first of ``peers`` that answers, the paths and schemas only peers have
+        (``openapi.merge_document``). A client that takes no JSON, a refusal, or no
+        peer answering: the backend's answer alone."""
+        accept = discovery.negotiate(exchange.headers.get("Accept"), aggregated=False)
+        if accept.kind != "legacy":
+            await self._to_backend(exchange, long_running=False)
+            return
+        group, version = routing.group_version_path(
+            request_info(exchange.method, exchange.path, "")[0]) or ("", "")
+
+        def asked(to_peer: bool) -> CIMultiDict[str]:
+            headers = forwarding.headers_for(exchange, to_peer=to_peer)
+            headers["Accept"] = "application/json"
+            for name in ("Accept-Encoding", "If-None-Match"):  # the body is rewritten
+                headers.popall(name, None)
+            return headers
+
+        headers = asked(False)
+        try:
+            own = await self.transport.fetch(self.backend.for_headers(headers), exchange.path,
+                                             headers=headers,
+                                             timeout=self.transport.request_timeout,
+                                             max_bytes=OPENAPI_DOCUMENT_MAX_BYTES)
+        except UpstreamError as exc:
+            throttled.warning(log, "backend openapi request failed", error=str(exc)[:300])
+            reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after,
+                                             idempotent=True))
+            return
+        if own.status != 200:
+            exchange.respond(own.status, forwarding.response_headers(list(own.headers.items())),
+                             own.body)
+            return
+        peer_only = {(*e["name"].split("/", 1), "")[:2]
+                     for e in self.cache.view().peer_only_resources(group, version)}
+        body = own.body
+        upstreams = self.peers()
+        for peer_id in peers:
+            upstream = upstreams.get(peer_id)
+            if upstream is None:
+                continue
+            try:
+                theirs = await self.transport.fetch(
+                    upstream, exchange.path, headers=asked(True),
+                    timeout=self.transport.request_timeout,
+                    max_bytes=OPENAPI_DOCUMENT_MAX_BYTES)
+            except UpstreamError as exc:
+                log.log(V(3), "peer openapi request failed", extra=kv(
+                    peer=peer_id, error=str(exc)[:300]))
+                continue
+            if theirs.status == 200:
+                body = openapi.merge_document(own.body, theirs.body, group, version,
+                                              peer_only) or own.body
+                break
+        tag = discovery.etag(body)
+        fields = [(name, value) for name, value in own.headers.items()
+                  if name.lower() in ("audit-id", "x-content-type-options")]
+        fields += [("Content-Type", "application/json"), ("ETag", tag), ("Vary", "Accept"),
+                   ("Cache-Control", "no-cache, private")]
+        if exchange.headers.get("If-None-Match") == tag:
+            exchange.respond(304, fields)
+            return
+        exchange.respond(200, fields, body)
 
     def _unavailable(self, info: RequestInfo, decision: routing.Decision) -> Reply:
         gvr = _gvr_labels(info)

@@ -77,6 +77,10 @@ TO_RESOURCE_LIST = Decision(DISCOVERY, "group/version resources merged")
 """``GET /apis/<g>/<v>`` of a group/version the backend serves while peers serve more
 of it: the backend's ``APIResourceList`` plus what only peers list."""
 TO_OPENAPI_INDEX = Decision(OPENAPI_INDEX, "openapi index")
+OPENAPI_MERGED = "openapi group/version merged"
+"""``GET /openapi/v3/apis/<g>/<v>`` of a group/version the backend serves while a
+reachable peer serves more of it: the backend's document plus the peer's paths and
+schemas for what only peers serve (``Decision.peers``: those peers, to try in order)."""
 TO_BACKEND_UNSYNCED = Decision(BACKEND, "not synced")
 TO_BACKEND_LOCAL = Decision(BACKEND, "served locally")
 TO_BACKEND_NOBODY = Decision(BACKEND, "served by nobody")
@@ -88,6 +92,7 @@ TO_BACKEND_OTHER = Decision(BACKEND, "not an API request")
 _DISCOVERY_PATHS = frozenset(("/api", "/api/", "/apis", "/apis/"))
 _OPENAPI_INDEX_PATHS = frozenset(("/openapi/v3", "/openapi/v3/"))
 _OPENAPI_V3 = ("openapi", "v3", "apis")
+_OPENAPI_V3_CORE = ("openapi", "v3", "api")
 
 
 def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credentials: bool,
@@ -122,6 +127,10 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credential
     group_version = group_version_path(info)
     if group_version is None:
         return TO_BACKEND_OTHER
+    if credentials and info.verb == "get" and is_openapi_document(info.path):
+        peers = openapi_peers(view, *group_version)
+        if peers:
+            return Decision(OPENAPI_INDEX, OPENAPI_MERGED, peers)
     return _decide_group_version(*group_version, view, credentials, rng)
 
 
@@ -156,13 +165,39 @@ def is_resource_list(info: RequestInfo) -> bool:
 
 
 def group_version_path(info: RequestInfo) -> tuple[str, str] | None:
-    """(group, version or "") for ``/apis/<g>[/<v>]`` and ``/openapi/v3/apis/<g>/<v>``."""
+    """(group, version or "") for ``/apis/<g>[/<v>]``, ``/openapi/v3/apis/<g>/<v>`` and
+    ``/openapi/v3/api/<v>`` (the core group)."""
     if info.api_prefix == "apis" and info.api_group:
         return info.api_group, info.api_version
     segments = info.path.strip("/").split("/")
     if len(segments) == 5 and tuple(segments[:3]) == _OPENAPI_V3:
         return segments[3], segments[4]
+    if len(segments) == 4 and tuple(segments[:3]) == _OPENAPI_V3_CORE:
+        return "", segments[3]
     return None
+
+
+def is_openapi_document(path: str) -> bool:
+    """``/openapi/v3/apis/<g>/<v>`` or ``/openapi/v3/api/<v>`` (no trailing slash)."""
+    segments = path.split("/")
+    return (len(segments) == 6 and tuple(segments[1:4]) == _OPENAPI_V3) or \
+        (len(segments) == 5 and tuple(segments[1:4]) == _OPENAPI_V3_CORE)
+
+
+def openapi_peers(view: CacheView, group: str, version: str) -> tuple[str, ...]:
+    """Reachable peers that serve everything of ``group``/``version`` that only peers
+    serve, when the backend serves it too (then its OpenAPI document lacks those):
+    whose document completes the backend's. Empty otherwise."""
+    local = view.backend.snapshot
+    if not view.synced or local is None or not local.serves_group_version(group, version):
+        return ()
+    extra = view.peer_only_resources(group, version)
+    if not extra:
+        return ()
+    wanted = {tuple(e["name"].split("/", 1)) for e in extra}
+    peers = [peer for peer in sorted(view.reachable) if all(
+        peer in view.capable_peers(group, version, *gvr) for gvr in wanted)]
+    return tuple(peers)
 
 
 def _decide_group_version(group: str, version: str, view: CacheView, credentials: bool,

@@ -525,3 +525,107 @@ async def test_resource_list_when_the_backend_fails(aiohttp_server, root):
         status, headers, body = await c.get(WIDGETS_V1)
         assert status == 503 and headers.get("Retry-After"), body
         assert json.loads(body)["kind"] == "Status"
+
+
+# --------------------------------------------------------------------------- /openapi/v3/apis/<g>/<v>
+# The OpenAPI document of a group/version both serve, sprockets only on the peer:
+# kubectl explain reads the backend's unless mvproxy completes it.
+
+OPENAPI_WIDGETS = f"/openapi/v3/apis/{WIDGETS}/v1"
+
+
+def _openapi_doc(resources: list[str]) -> dict:
+    return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.35.4"},
+            "paths": {f"{WIDGETS_V1}/{r}": {"get": {"responses": {"200": {"content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{r}List"}}}}}}}
+                for r in resources},
+            "components": {"schemas": {f"{r}List": {"x-kubernetes-group-version-kind": [
+                {"group": WIDGETS, "kind": f"{r}List", "version": "v1"}]} for r in resources}}}
+
+
+def kube_like_openapi(resources: list[str]):
+    def routes(app: web.Application) -> None:
+        async def document(request: web.Request) -> web.Response:
+            seen = {"X-Seen-Query": request.query_string,
+                    "X-Seen-Accept": request.headers.get("Accept", ""),
+                    "X-Seen-User": request.headers.get("X-Remote-User", ""),
+                    "X-Seen-Peer-Proxied": request.headers.get("x-kubernetes-peer-proxied", ""),
+                    "Audit-Id": str(uuid.uuid4())}
+            token = request.headers.get("Authorization", "")
+            if "X-Remote-User" not in request.headers and token != "Bearer good":
+                return web.json_response(_status(401, "Unauthorized", "Unauthorized"),
+                                         status=401, headers=seen)
+            if request.headers.get("Accept", "").startswith("application/com.github"):
+                return web.Response(body=b"protobuf", headers=seen,
+                                    content_type="application/com.github.proto-openapi."
+                                                 "spec.v3.v1.0+protobuf")
+            if request.query_string:  # kube redirects a stale hash
+                return web.Response(status=301, headers={**seen, "Location": request.path})
+            return web.json_response(_openapi_doc(resources), headers=seen)
+
+        async def index(request: web.Request) -> web.Response:
+            return web.json_response({"paths": {f"apis/{WIDGETS}/v1": {
+                "serverRelativeURL": f"{OPENAPI_WIDGETS}?hash=BACKEND"}}})
+
+        app.router.add_get(OPENAPI_WIDGETS, document)
+        app.router.add_get("/openapi/v3", index)
+        kube_like_resource_list(app)
+    return routes
+
+
+def openapi_cluster(aiohttp_server, root):
+    return cluster(aiohttp_server, root, backend_routes=kube_like_openapi(["widgets"]),
+                   peer_routes=kube_like_openapi(["widgets", "sprockets"]),
+                   backend_groups=[_group(WIDGETS, "v1")],
+                   peer_groups=[_with_sprockets(_group(WIDGETS, "v1"))])
+
+
+async def test_openapi_document_gains_what_only_peers_serve(aiohttp_server, root):
+    async with openapi_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, _, body = await c.get("/openapi/v3")
+        assert json.loads(body)["paths"][f"apis/{WIDGETS}/v1"] == {
+            "serverRelativeURL": OPENAPI_WIDGETS}  # the backend's hash named its own
+        for query in ("", "?hash=BACKEND"):  # a client with the old index still gets it
+            status, headers, body = await c.get(OPENAPI_WIDGETS + query, headers={
+                "Accept": "application/json", "Accept-Encoding": "gzip"})
+            assert status == 200, body
+            document = json.loads(body)
+            assert set(document["paths"]) == {f"{WIDGETS_V1}/widgets", f"{WIDGETS_V1}/sprockets"}
+            assert set(document["components"]["schemas"]) == {"widgetsList", "sprocketsList"}
+            assert (headers["Content-Type"], headers["Cache-Control"]) == (
+                "application/json", "no-cache, private")
+            assert "Audit-Id" in headers and "Content-Encoding" not in headers
+        etag = headers["ETag"]
+        status, _, body = await c.get(OPENAPI_WIDGETS, headers={"If-None-Match": etag})
+        assert (status, body) == (304, b"")
+        # The backend and the peer were asked without the hash, as JSON, as the client.
+        asked = [t for m, t in c.seen["backend"] if t.startswith(OPENAPI_WIDGETS)]
+        assert asked and all(t == OPENAPI_WIDGETS for t in asked), asked
+        assert [t for m, t in c.seen["peer"] if t.startswith(OPENAPI_WIDGETS)]
+
+
+async def test_openapi_document_otherwise_the_backends(aiohttp_server, root):
+    async with openapi_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        # Another encoding: the backend's answer as it is (query included).
+        protobuf = "application/com.github.proto-openapi.spec.v3.v1.0+protobuf"
+        status, headers, body = await c.get(OPENAPI_WIDGETS, headers={"Accept": protobuf})
+        assert (status, body) == (200, b"protobuf")
+        # Without credentials, the backend's refusal; no peer is asked.
+        before = len(c.seen["peer"])
+        status, _, body = await c.get(OPENAPI_WIDGETS, who="bearer")
+        assert (status, json.loads(body)["reason"]) == (401, "Unauthorized")
+        assert len(c.seen["peer"]) == before
+        # The peer gone: the backend's document alone.
+        await c.peer_server.close()
+        await c.until(_peer_unreachable(c), "the peer seen unreachable")
+        status, _, body = await c.get(OPENAPI_WIDGETS)
+        assert status == 200 and set(json.loads(body)["paths"]) == {f"{WIDGETS_V1}/widgets"}
+
+
+def _peer_unreachable(c: Cluster):
+    async def probe() -> bool:
+        peers = (await c.debug()).get("peers") or {}
+        return peers.get("apiserver-b", {}).get("reachable") is False
+    return probe

@@ -278,6 +278,22 @@ def test_kubectl_api_resources_lists_the_new_only_set_through_the_old_mvproxy(
     assert listed[OLD] == listed[NEW] == _names(e2e.old | e2e.new)
 
 
+@pytest.mark.parametrize("version", KUBECTLS)
+def test_kubectl_explain_through_the_old_mvproxy(e2e: E2E, version: str) -> None:
+    """OpenAPI v3: the new-only kind is explained as the new server explains it, a kind
+    both serve as the old server (which serves it here) explains it."""
+    def explain(context: str, what: str) -> str:
+        return kubectl(e2e, version, context, "explain", what).stdout
+
+    field = "mutatingadmissionpolicy.spec.failurePolicy"
+    assert explain(OLD, field) == explain(f"{NEW}-direct", field)
+    assert "KIND:       MutatingAdmissionPolicy" in explain(OLD, field)
+    shared = "validatingadmissionpolicy.spec"
+    assert explain(OLD, shared) == explain(f"{OLD}-direct", shared)
+    missing = kubectl(e2e, version, f"{OLD}-direct", "explain", field, check=False)
+    assert missing.returncode != 0
+
+
 # --------------------------------------------------------------------------- discovery
 
 
