@@ -527,7 +527,7 @@ async def test_resource_list_when_the_backend_fails(aiohttp_server, root):
         assert json.loads(body)["kind"] == "Status"
 
 
-# --------------------------------------------------------------------------- /openapi/v3/apis/<g>/<v>
+# ------------------------------------------------------------------- /openapi/v3/apis/<g>/<v>
 # The OpenAPI document of a group/version both serve, sprockets only on the peer:
 # kubectl explain reads the backend's unless mvproxy completes it.
 
