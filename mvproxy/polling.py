@@ -114,15 +114,16 @@ class Poller:
     def __init__(self, *, cache: DiscoveryCache, transport: Transport, backend: Upstream,
                  peers: Callable[[], Mapping[str, Upstream]], settings: PollSettings,
                  metrics: Metrics, rng: random.Random | None = None,
-                 on_failure: Callable[[str, bool], None] | None = None,
+                 on_failure: Callable[[str, bool, str], None] | None = None,
                  wake: asyncio.Event | None = None):
         self.cache = cache
         self._wake = wake
         """Set by a dynamic membership source when the peers changed: reconcile at once,
         so a joining peer is polled now and a leaving one dropped now."""
         self._on_failure = on_failure
-        """Told (server ID, whether it just became unreachable) after every failed poll,
-        so the request path stops reusing connections to a server that stopped answering."""
+        """Told (server ID, whether it just became unreachable, the first failure's
+        reason) after every failed poll, so the request path stops reusing connections
+        to a server that stopped answering."""
         self.transport = transport
         self.settings = settings
         self.metrics = metrics
@@ -277,7 +278,7 @@ class Poller:
             log.warning("server became unreachable; its versions are now served as Stale",
                         extra=kv(server=server_id))
         if self._on_failure is not None:
-            self._on_failure(server_id, became_unreachable)
+            self._on_failure(server_id, became_unreachable, kind)
 
     def _succeeded(self, server_id: str, state: _ServerPoll, snapshot: Snapshot) -> None:
         was_reachable = self._reachable(server_id)

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -491,6 +492,62 @@ def test_frozen_peer_gets_503_not_a_hang(cluster: DemoCluster) -> None:
         os.kill(pid, signal.SIGCONT)
         cluster.wait_converged()
     assert request(cluster, OLD, "GET", path).status == 200
+
+
+def test_frozen_backend_does_not_hold_requests_until_the_request_timeout(
+        cluster: DemoCluster) -> None:
+    """SIGSTOP on a member's own kube-apiserver: a request already on a pooled
+    connection to it, and a watch, used to wait for the request timeout (60 s: measured
+    60.5 s against a real frozen kube-apiserver), the watch forever. Now the backend's
+    polls time out (1 s here), its idle connections go, and once it is unreachable
+    (staleAfter, 3 s) what waits on it ends: well inside the client's 15 s."""
+    path = "/api/v1/namespaces/outage/configmaps"
+    assert request(cluster, OLD, "GET", path).status == 200  # a pooled connection exists
+    backend = cluster.server(OLD).backend
+    watch = _open_watch(cluster, OLD, path)
+    backend.freeze()
+    try:
+        started = time.monotonic()
+        answer = request(cluster, OLD, "GET", path)
+        assert answer.status in (200, 503), answer  # 200: served by a peer
+        assert time.monotonic() - started < 10, answer
+        assert _watch_ended(watch, 10), "the watch on the frozen backend did not end"
+    finally:
+        watch.close()
+        backend.resume()
+        cluster.wait_converged()
+    assert request(cluster, OLD, "GET", path).status == 200
+
+
+def _open_watch(cluster: DemoCluster, sid: str, path: str):
+    """A watch through ``sid``'s mvproxy, its response head read (a raw connection)."""
+    import http.client
+
+    from e2e_support import tls_context
+
+    server = cluster.server(sid)
+    conn = http.client.HTTPSConnection(server.host, server.proxy_port, timeout=WAIT_TIMEOUT,
+                                       context=tls_context(cluster))
+    conn.request("GET", path + "?watch=true")
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    conn.response = response  # type: ignore[attr-defined]
+    return conn
+
+
+def _watch_ended(conn, timeout: float) -> bool:
+    """Whether the watch's stream ends (cleanly or cut) within ``timeout`` seconds."""
+    import http.client
+
+    conn.sock.settimeout(timeout)
+    try:
+        while conn.response.read1(65536):
+            pass
+    except TimeoutError:
+        return False
+    except (OSError, http.client.HTTPException):
+        pass
+    return True
 
 
 def test_sigterm_drains_and_exits_zero(cluster: DemoCluster, kubectl) -> None:
