@@ -11,8 +11,9 @@ only ``UpstreamConnectError`` (nothing was sent, safe to try another peer),
   rarely one the server is closing. A connection made with a client context that a
   certificate reload has since replaced is never reused either: kube-apiserver checks
   the client certificate's validity on every request, so a pooled connection still
-  presenting the old certificate would get 401 once it expires. ``reset`` drops a pool and aborts the requests on
-  it: polling calls it when a peer stops answering, so nothing waits on a frozen peer.
+  presenting the old certificate would get 401 once it expires. ``reset`` drops a pool
+  and aborts the requests on it: polling calls it when a peer (or the backend) stops
+  answering, so nothing waits on a frozen server.
 - **Sockets** carry TCP keep-alive and ``TCP_USER_TIMEOUT``: a peer that vanished from
   the network (no RST ever comes) is noticed within about ``keepalive`` seconds even on
   a quiet watch.

@@ -509,7 +509,7 @@ def test_frozen_backend_does_not_hold_requests_until_the_request_timeout(
     try:
         started = time.monotonic()
         answer = request(cluster, OLD, "GET", path)
-        assert answer.status in (200, 503), answer  # 200: served by a peer
+        assert answer.status == 200, answer  # served by a peer that serves it too
         assert time.monotonic() - started < 10, answer
         assert _watch_ended(watch, 10), "the watch on the frozen backend did not end"
     finally:
