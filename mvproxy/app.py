@@ -217,7 +217,7 @@ def _lease_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], Non
                            url=cfg.peer.advertise_url or "", duration=leases.lease_duration,
                            renew_period=leases.renew_period,
                            identity_leases=leases.api_server_identity, metrics=metrics,
-                           on_change=on_change)
+                           on_change=on_change, departure_grace=cfg.discovery.forget_after)
 
 
 FD_RESERVE = 128
