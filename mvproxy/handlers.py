@@ -26,7 +26,13 @@ from prometheus_client import Gauge, Histogram
 from mvproxy import forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
-from mvproxy.errors import UpstreamError, UpstreamShuttingDown, UpstreamUnserved
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamShuttingDown,
+    UpstreamUnreachable,
+    UpstreamUnserved,
+)
 from mvproxy.forwarding import ForwardError, HeadFailure
 from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
@@ -85,8 +91,8 @@ class Proxy:
                                   credentials=credentials, rng=self.rng)
         if decision.route == routing.PEER:
             if self._peer_now(exchange, info, decision.peers, long_running):
-                if decision.reason is routing.BACKEND_UNREACHABLE:
-                    self.metrics.backend_failovers.labels("unreachable").inc()
+                if decision.reason is routing.BACKEND_FAILING:
+                    self.metrics.backend_failovers.labels("failing").inc()
                 return True
             return False
         if decision.route == routing.DISCOVERY:
@@ -214,6 +220,11 @@ class Proxy:
         serving what its peers can. Otherwise the failure is the answer."""
         log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300],
                                                          retry=exc.retryable))
+        if isinstance(exc.cause, BACKEND_DOWN):
+            # Refusing connections, or shutting down: what it listed may change when
+            # it is back (another version). Until a poll succeeds, routing sends what a
+            # peer serves too to that peer (``routing.BACKEND_FAILING``).
+            self.cache.record_failure(self.server_id, f"request: {str(exc)[:200]}")
         if fallback and exc.retryable:
             peers = routing.fallback_peers(info, self.cache.view(), self.rng)
             if peers:
@@ -249,8 +260,8 @@ class Proxy:
         credentials = has_credentials(downstream, exchange.raw, upgrade=exchange.upgrade)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
                                   credentials=credentials, rng=self.rng)
-        if decision.reason is routing.BACKEND_UNREACHABLE:
-            self.metrics.backend_failovers.labels("unreachable").inc()
+        if decision.reason is routing.BACKEND_FAILING:
+            self.metrics.backend_failovers.labels("failing").inc()
         if log.isEnabledFor(V(4)):
             log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
                                              reason=decision.reason,
@@ -384,6 +395,11 @@ class Proxy:
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
             headers={"Retry-After": str(self.retry_after)})
+
+
+BACKEND_DOWN = (UpstreamConnectError, UpstreamUnreachable, UpstreamUnserved)
+"""Request failures that say the backend is down or going (not just slow or broken):
+no connection, ended by polling's verdict, refused unprocessed while shutting down."""
 
 
 def _may_fall_back(info: RequestInfo, peer_proxied: bool, credentials: bool) -> bool:

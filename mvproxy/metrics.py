@@ -74,8 +74,9 @@ class Metrics:
         self.backend_failovers = Counter(
             "mvproxy_backend_failovers_total",
             "Requests for what the backend serves that went to a peer serving it too, "
-            "because polling found the backend unreachable (unreachable), nothing reached "
-            "it (unanswered) or it refused them while shutting down (shutting_down).",
+            "because the backend was failing (failing: its last poll, or a request, found "
+            "it down), nothing reached it (unanswered) or it refused them while shutting "
+            "down (shutting_down).",
             ("reason",), registry=r)
         self.inflight_requests = Gauge(
             "mvproxy_inflight_requests", "Requests being served, by route.", ("route",),

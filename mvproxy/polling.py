@@ -3,7 +3,8 @@
 One task per server, so a slow peer never delays another; each poll has its own
 timeout and sends ``If-None-Match`` so an unchanged document costs a 304. Results
 go into the ``DiscoveryCache``. Failures keep the last good snapshot; a server never
-fetched yet is retried after ``FIRST_RETRY``, doubling up to the interval. Every failed
+fetched yet, or whose last poll failed, is retried after ``FIRST_RETRY``, doubling up
+to the interval. Every failed
 fetch is counted, so ``rate()`` is honest; it is logged once per change of state
 (ok -> failing, or a different reason), not once per poll. Nothing raises out of the
 loops.
@@ -195,8 +196,12 @@ class Poller:
         while True:
             await self.poll_once(server_id, state)
             delay = self.settings.interval
-            if state.snapshot is None:  # nothing fetched yet: try again soon
+            if state.snapshot is None or state.failure is not None:
+                # Nothing fetched yet, or failing: try again soon, so a server that is
+                # back (perhaps as another version) is seen within about a second.
                 delay, retry = min(retry, delay), retry * 2
+            else:
+                retry = FIRST_RETRY
             spread = self._rng.uniform(-self.settings.jitter, self.settings.jitter)
             await asyncio.sleep(delay * (1 + spread))
 

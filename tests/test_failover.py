@@ -94,16 +94,23 @@ async def test_an_unreachable_backend_is_marked_unserved_for_peers_only(aiohttp_
         await ready(c)
         await c.backend_server.close()
         path = "/api/v1/namespaces/default/configmaps"
+        # A user's request for what the peer serves too goes there instead ...
+        status, _, body = await c.get(path)
+        assert status == 200 and json.loads(body)["server"] == "peer", body
+        assert await c.metric("mvproxy_backend_failovers_total", reason="unanswered") == 1
+        # ... a peer's gets 503 "unserved" (it sent it here: it may try another) ...
         status, headers, _ = await c.get(path, who="peer",
                                          headers={"x-kubernetes-peer-proxied": "true"})
         assert status == 503 and headers[UNSERVED] == "backend-unreachable"
-        # A client without credentials gets the backend's failure (never a peer).
+        # ... a client without credentials the backend's failure (never a peer) ...
         status, headers, _ = await c.get(path, who="bearer")
         assert status == 503 and UNSERVED not in headers
         assert "Retry-After" in headers
-        # A user's request for what the peer serves too goes there instead.
-        status, headers, body = await c.get(path)
+        # ... and now that the backend is failing, routing sends the user to the peer
+        # directly, without trying the backend first.
+        status, _, body = await c.get(path)
         assert status == 200 and json.loads(body)["server"] == "peer", body
+        assert await c.metric("mvproxy_backend_failovers_total", reason="failing") == 1
         assert await c.metric("mvproxy_backend_failovers_total", reason="unanswered") == 1
 
 
@@ -171,22 +178,34 @@ def backend_shutting_down(answers: list[str], *, close: bool = True):
 async def test_a_backend_shutting_down_hands_what_a_peer_serves_to_the_peer(aiohttp_server, root):
     """kube-apiserver drains with 429 + Connection: close: the request was not processed,
     so a GET goes to a peer serving secrets too; the client's connection to mvproxy stays
-    open, and nothing says the backend was asked."""
+    open. The backend is then failing for routing: the next request goes to the peer
+    without asking it, until a poll of the backend succeeds."""
     answers: list[str] = []
     async with cluster(aiohttp_server, root,
                        backend_routes=backend_shutting_down(answers)) as c:
         await ready(c)
+        # A pooled backend connection first: the request is then forwarded by callbacks
+        # alone (``forward_now``), the path most requests take.
+        assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
         for _ in range(2):  # the second on the same client connection
-            # A pooled backend connection first: the request is then forwarded by
-            # callbacks alone (``forward_now``), the other path to the same decision.
-            assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
             status, headers, body = await c.get(SECRETS)
             assert status == 200 and json.loads(body)["server"] == "peer", body
             assert "Connection" not in headers or headers["Connection"] != "close"
-        assert answers == ["GET", "GET"]
-        assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") == 2
-        record("Failover", "backend answers 429 shutting down to a GET a peer can serve", 2,
+        assert answers == ["GET"]
+        assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") == 1
+        assert await c.metric("mvproxy_backend_failovers_total", reason="failing") == 1
+        # The backend's discovery polls still succeed: routing trusts it again.
+        await c.until(lambda: _backend_trusted(c), "a successful poll of the backend")
+        assert (await c.get(SECRETS))[0] == 200 and answers == ["GET", "GET"]
+        record("Failover", "backend answers 429 shutting down to a GET a peer can serve", 1,
                "served by the peer")
+
+
+async def _backend_trusted(c) -> bool:
+    """Whether a request for what both serve goes to the backend again."""
+    before = len(c.seen["backend"])
+    assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
+    return len(c.seen["backend"]) > before
 
 
 async def test_a_backend_shutting_down_is_relayed_where_nobody_else_may_take_it(

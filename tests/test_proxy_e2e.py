@@ -623,3 +623,49 @@ def test_exec_through_a_peer_hop_keeps_the_identity(exec_cluster: DemoCluster,
              if uri_startswith(uri)(e)]
     assert local and all(e["responseStatus"]["code"] == 404 for e in local), local
     assert all("command=hi" in e["requestURI"] and e["peerProxied"] is None for e in local)
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+def test_a_backend_rolled_back_never_answers_404_for_what_its_peer_serves(
+        tmp_path: Path) -> None:
+    """Two 1.36 servers; the first one's kube-apiserver is rolled back to 1.35 (its
+    mvproxy keeps running). Its old snapshot lists PodGroups, which 1.35 lacks: between
+    the new backend's start and mvproxy's next poll, a request routed by that snapshot
+    got 1.35's 404 (nine of them against real 1.36.3 rolled back to 1.35.4). A backend
+    that failed a poll, or was found down by a request, is trusted again only by a
+    poll that succeeds, which also brings its new snapshot: the other 1.36 server takes
+    PodGroups meanwhile, and afterwards, as the only one serving them."""
+    import threading
+    from collections import Counter
+
+    path = f"{PODGROUPS}/namespaces/default/podgroups"
+    with start_cluster(tmp_path / "rollback", ["1.36", "1.36"], base_port=0) as c:
+        backend = c.server("apiserver-0").backend
+        assert request(c, "apiserver-0", "GET", path).status == 200
+        statuses: Counter[int] = Counter()
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                try:
+                    statuses[request(c, "apiserver-0", "GET", path, timeout=10).status] += 1
+                except AssertionError:
+                    statuses[0] += 1
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        try:
+            backend.stop()
+            backend.argv[backend.argv.index("--kubernetes-version") + 1] = "1.35"
+            backend.start()
+            backend.wait_ready(WAIT_TIMEOUT)
+            c.wait_converged(polled_since=time.monotonic())
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            prober.join(15)
+        assert not statuses[404] and statuses[200], statuses
+        assert set(statuses) <= {200, 503}, statuses

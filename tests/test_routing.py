@@ -34,6 +34,7 @@ from mvproxy.routing import (
 SELF, B, C = "apiserver-a", "apiserver-b", "apiserver-c"
 STALE_AFTER, FORGET_AFTER = 15.0, 600.0
 UP, DOWN, UNPOLLED, NEVER = "up", "down", "unpolled", "never answered"
+FAILING = "failing"  # the backend only: its last poll failed, within staleAfter
 
 SCHED = "/apis/scheduling.k8s.io"
 PODGROUPS = f"{SCHED}/v1alpha2/namespaces/ns/podgroups"   # 1.36 only
@@ -82,7 +83,8 @@ def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None,
     """A view as polling would leave it.
 
     ``local`` None: the backend's first poll failed; ``backend`` DOWN: it answered
-    once, then went silent past staleAfter. Each peer is (snapshot, state):
+    once, then went silent past staleAfter; FAILING: its last poll failed, within
+    staleAfter (or a request found it down). Each peer is (snapshot, state):
     UP (polled, answered), DOWN (answered once, then silent past staleAfter: the
     snapshot is kept, the peer is unreachable), NEVER (polled, never answered), or
     UNPOLLED (no poll finished yet).
@@ -102,6 +104,8 @@ def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None,
         cache.record_failure(SELF)
     elif local is not None:
         cache.record_success(SELF, local)
+        if backend == FAILING:  # its last poll failed, a moment ago: still reachable
+            cache.record_failure(SELF, "connect: refused")
     for peer_id, (snapshot, state) in peers.items():
         if state == UP:
             cache.record_success(peer_id, snapshot)
@@ -128,6 +132,7 @@ VIEWS: dict[str, CacheView] = {
     "backend down, two peers": make_view(V135, {B: (V136, UP), C: (V136, DOWN)},
                                          backend=DOWN),
     "backend and peer down": make_view(V135, {B: (V136, DOWN)}, backend=DOWN),
+    "backend failing": make_view(V136, {B: (V135, UP)}, backend=FAILING),
     "backend down, resize nowhere else": make_view(NEW_PODS, {B: (OLD_PODS, UP)},
                                                    backend=DOWN),
 }
@@ -208,11 +213,17 @@ TABLE = [
         WORKLOADS_OLD, BACKEND, reason="served locally"),
     # 4'. what the backend serves, while polling finds the backend unreachable
     row("backend unreachable: what a peer serves too goes to that peer", "backend down",
-        "GET", "/api/v1/namespaces/ns/pods", PEER, [B], reason="backend unreachable"),
+        "GET", "/api/v1/namespaces/ns/pods", PEER, [B], reason="backend failing"),
+    row("backend failing (last poll failed): what a peer serves too goes there",
+        "backend failing", "GET", "/api/v1/namespaces/ns/pods", PEER, [B],
+        reason="backend failing"),
+    row("backend failing after a rollback: what its old snapshot lists, no peer has: "
+        "the backend (its genuine answer)", "backend failing", "GET", PODGROUPS, BACKEND,
+        reason="served locally"),
     row("backend unreachable: writes too", "backend down", "POST",
-        "/apis/apps/v1/namespaces/ns/deployments", PEER, [B], reason="backend unreachable"),
+        "/apis/apps/v1/namespaces/ns/deployments", PEER, [B], reason="backend failing"),
     row("backend unreachable: only reachable peers", "backend down, two peers", "GET",
-        "/api/v1/namespaces/ns/configmaps", PEER, [B], reason="backend unreachable"),
+        "/api/v1/namespaces/ns/configmaps", PEER, [B], reason="backend failing"),
     row("backend unreachable: what only it serves stays local (its failure answers)",
         "backend down", "GET", WORKLOADS_OLD, BACKEND, reason="served locally"),
     row("backend unreachable: a subresource no peer serves stays local",
