@@ -180,7 +180,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
                                  max_bytes=cfg.discovery.max_document_bytes,
-                                 retry_after=retry_after)
+                                 retry_after=retry_after, peers=peers)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
                   rng=rng or random.Random(), retry_after=retry_after)

@@ -168,7 +168,14 @@ def _freshness(cluster: RealCluster, sid: str, gvs: frozenset[tuple[str, str]]) 
 
 def _listed(cluster: RealCluster, sid: str, gvrs: frozenset[GVR]) -> bool:
     """Every one of ``gvrs`` listed in ``sid``'s mvproxy's merged /apis."""
-    merged = _merged(cluster, sid)
+    answer = request(cluster, sid, "GET", "/apis", headers={"Accept": AGGREGATED_V2})
+    return _listed_in(answer, gvrs)
+
+
+def _listed_in(answer: Answer, gvrs: frozenset[GVR]) -> bool:
+    """Every one of ``gvrs`` listed in an aggregated /apis answer."""
+    assert answer.status == 200, answer
+    merged = aggregated_group_versions(answer.json())
     return all(gv in merged and r in {x["resource"] for x in merged[gv]["resources"]}
                for gv, r in (((g, v), r) for g, v, r in gvrs))
 
@@ -361,6 +368,14 @@ def test_a_frozen_backend_does_not_hold_its_mvproxys_requests(cluster: RealClust
             assert watch.ended.wait(FAULT_BOUND), "the watch on the frozen backend hung"
             made = request(cluster, OLD, "POST", CONFIGMAPS, body=_configmap("while-frozen"))
             assert made.status == 201, made
+            # Discovery for credentials not seen before (no remembered yes): the peer
+            # authorizes them instead of the frozen backend.
+            started = time.monotonic()
+            listed = request(cluster, OLD, "GET", "/apis", cert=None,
+                             token=cluster.tokens["viewer-token"],
+                             headers={"Accept": AGGREGATED_V2})
+            assert listed.status == 200 and time.monotonic() - started < FAULT_BOUND, listed
+            assert _listed_in(listed, frozenset({MAP_GVR}))
         finally:
             backend.resume()
     cluster.wait_converged(RECOVERY)
