@@ -281,13 +281,16 @@ def _marked(path: str) -> tuple[str, str]:
 
 
 def _outage_checks(cluster: RealCluster, skew: Skew, watch: Watch,
-                   informer: Informer) -> None:
+                   informer: Informer, began: float) -> None:
     """While the new server is down: the watch through the old server's mvproxy ended
     (the raw one and client-go's), its requests are 503 + Retry-After, and discovery
     keeps what only the new server serves, its own group/versions as Stale."""
     assert watch.ended.wait(FAULT_BOUND), "the watch through the old server's mvproxy hung"
+    ended = time.monotonic() - began
     informer.wait_for("WATCH_END", stoppedByClient=False, timeout=FAULT_BOUND)
     wait_peer_unreachable(cluster, OLD, NEW, FAULT_BOUND)
+    print(f"watch ended after {ended:.1f}s, peer unreachable after "
+          f"{time.monotonic() - began:.1f}s")
     for method, body in (("GET", None), ("POST", _map(f"down-{uuid.uuid4().hex[:6]}"))):
         started = time.monotonic()
         _assert_retry_later(request(cluster, OLD, method, MAP_PATH, body=body))
@@ -324,7 +327,7 @@ def test_the_new_server_killed_then_restarted(cluster: RealCluster, skew: Skew,
         watch.wait_for("before-kill")
         informer.wait_for("ADDED", name="before-kill")
         cluster.backend(NEW).kill()  # SIGKILL: no graceful shutdown at all
-        _outage_checks(cluster, skew, watch, informer)
+        _outage_checks(cluster, skew, watch, informer, time.monotonic())
         cluster.restart_backend(NEW)
         _recovered(cluster, skew, informer, "after-restart")
     assert _proxy_pids(cluster) == proxies
@@ -338,8 +341,9 @@ def test_the_new_server_frozen_then_resumed(cluster: RealCluster, skew: Skew,
             watching(cluster, OLD, MAP_PATH) as watch:
         assert request(cluster, OLD, "GET", MAP_PATH).status == 200  # pooled connections
         backend.freeze()  # SIGSTOP: its sockets stay open, nothing answers
+        began = time.monotonic()
         try:
-            _outage_checks(cluster, skew, watch, informer)
+            _outage_checks(cluster, skew, watch, informer, began)
         finally:
             backend.resume()
         _recovered(cluster, skew, informer, "after-resume")
@@ -364,6 +368,7 @@ def test_a_frozen_backend_does_not_hold_its_mvproxys_requests(cluster: RealClust
             answer = request(cluster, OLD, "GET", path)
             waited = time.monotonic() - started
             assert answer.status == 200 and waited < FAULT_BOUND, (answer, waited)
+            print(f"a GET on the frozen backend's pooled connection: {waited:.1f}s")
             assert _served_by(cluster, marker) == NEW
             assert watch.ended.wait(FAULT_BOUND), "the watch on the frozen backend hung"
             made = request(cluster, OLD, "POST", CONFIGMAPS, body=_configmap("while-frozen"))
