@@ -435,12 +435,14 @@ def test_the_backends_graceful_shutdown_through_its_mvproxy(cluster: RealCluster
     try:
         with watching(cluster, OLD, CONFIGMAPS) as watch:
             backend.terminate()
+            terminated = time.monotonic()
             # 1. The delay: /readyz fails, everything is still served by the backend.
             readyz = request(cluster, OLD, "GET", "/readyz", direct=True)
             assert readyz.status != 200, readyz
             path, marker = _marked(CONFIGMAPS)
             assert request(cluster, OLD, "GET", path).status == 200
-            assert _served_by(cluster, marker) == OLD
+            if time.monotonic() - terminated < SHUTDOWN_DELAY - 1:  # not late (a slow run)
+                assert _served_by(cluster, marker) == OLD
             # 2. The drain: 429 straight from the backend ...
             direct = wait_until(lambda: (a := request(cluster, OLD, "GET", CONFIGMAPS,
                                                       direct=True)).status == 429 and a,
