@@ -79,6 +79,10 @@ class Daemon:
     """DNS membership (``peers.dns``): run beside the poller."""
 
 
+BACKEND_SILENT = frozenset(("timeout", "connect"))
+"""Poll failures (``polling.failure_reason``) that mean the backend answers nothing:
+its requests in flight are then ended rather than left to ``timeouts.request``."""
+
 NAMED_SOURCES = frozenset(("lease", "dns"))
 """Membership sources whose peers must carry their server ID in their serving
 certificate: anyone allowed to write a Lease (or a DNS record) chose their address."""
@@ -138,9 +142,10 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     poll_transport = Transport(connect_timeout=cfg.timeouts.connect,
                                request_timeout=cfg.timeouts.request, max_idle_per_upstream=2)
 
-    def stopped_answering(server_id: str, unreachable: bool) -> None:
+    def stopped_answering(server_id: str, unreachable: bool, reason: str) -> None:
         if server_id == cfg.server_id:
-            return  # the backend: its requests fail on their own, nothing to fail over to
+            backend_stopped_answering(unreachable, reason)
+            return
         if unreachable:
             aborted = transport.reset(server_id)
             if aborted:
@@ -150,6 +155,23 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
         else:
             transport.drop_idle(server_id)
 
+    def backend_stopped_answering(unreachable: bool, reason: str) -> None:
+        """A backend that answers nothing at all (frozen, or cut off: its polls time
+        out or cannot connect) must not hold requests until ``timeouts.request``: its
+        idle connections go at the first such poll, so new requests fail within
+        ``timeouts.connect``, and once it is unreachable (``discovery.staleAfter``) the
+        requests waiting on it are ended too. A backend that answers, even with errors
+        (429 under load), keeps its connections and its requests."""
+        if reason not in BACKEND_SILENT:
+            return
+        if not unreachable:
+            transport.drop_idle(backend.name)
+            return
+        aborted = transport.reset(backend.name)
+        if aborted:
+            log.warning("ended the requests waiting on a backend that stopped answering",
+                        extra=kv(ended=aborted, reason=reason))
+
     poller = Poller(cache=cache, transport=poll_transport, backend=backend, peers=peers,
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
@@ -158,7 +180,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
                                  metrics=metrics, probe_timeout=cfg.timeouts.request,
                                  max_bytes=cfg.discovery.max_document_bytes,
-                                 retry_after=retry_after)
+                                 retry_after=retry_after, peers=peers)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
                   rng=rng or random.Random(), retry_after=retry_after)
@@ -195,7 +217,7 @@ def _lease_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], Non
                            url=cfg.peer.advertise_url or "", duration=leases.lease_duration,
                            renew_period=leases.renew_period,
                            identity_leases=leases.api_server_identity, metrics=metrics,
-                           on_change=on_change)
+                           on_change=on_change, departure_grace=cfg.discovery.forget_after)
 
 
 FD_RESERVE = 128

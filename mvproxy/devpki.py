@@ -4,7 +4,8 @@
 and per-server serving / peer / front-proxy-client certificates, optionally a
 service-account key pair; ``certs/README.md``) with private keys that are never
 world-readable. ``issue_client_certificate`` adds a user certificate signed by its
-cluster CA. ``mvproxy certs init``, the demo and
+cluster CA; ``rotate_front_proxy_client`` replaces a server's front-proxy client pair
+(rotation tests, lifetimes of seconds). ``mvproxy certs init``, the demo and
 the tests use it; the daemon never does (it reads certificates through ``tls``), so
 this module stays off the request path.
 
@@ -33,7 +34,7 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.errors import PKIError
 from mvproxy.tls import StrPath
 
-__all__ = ["init_pki", "issue_client_certificate"]
+__all__ = ["init_pki", "issue_client_certificate", "rotate_front_proxy_client"]
 
 #: Certificates are back-dated by this much so a peer whose clock is slightly behind
 #: does not reject a freshly generated certificate as "not yet valid".
@@ -454,16 +455,66 @@ def init_pki(
     return [directory / rel for rel in relative]
 
 
-def _load_ca(directory: Path) -> _Issued:
-    """The cluster CA of an ``init_pki`` directory, for signing more certificates."""
+def _load_ca(directory: Path, stem: str = "ca") -> _Issued:
+    """A CA of an ``init_pki`` directory (the cluster CA, or ``front-proxy-ca``), for
+    signing more certificates."""
     try:
-        cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
-        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+        cert = x509.load_pem_x509_certificate((directory / f"{stem}.crt").read_bytes())
+        key = serialization.load_pem_private_key((directory / f"{stem}.key").read_bytes(), None)
     except (OSError, ValueError, TypeError) as e:
-        raise PKIError(f"cannot read the cluster CA in {directory} (ca.crt, ca.key): {e}") from e
+        what = "the cluster CA" if stem == "ca" else stem
+        raise PKIError(f"cannot read {what} in {directory} ({stem}.crt, {stem}.key): {e}") from e
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise PKIError(f"{directory / 'ca.key'} is not the ECDSA key mvproxy certs init writes")
+        raise PKIError(f"{directory / f'{stem}.key'} is not the ECDSA key mvproxy certs init "
+                       "writes")
     return _Issued(cert, key)
+
+
+def rotate_front_proxy_client(directory: StrPath, server_id: str, *,
+                              lifetime: timedelta) -> x509.Certificate:
+    """Replace server ``server_id``'s ``front-proxy-client`` pair in the ``init_pki``
+    directory ``directory`` with a new key and certificate from its front-proxy CA,
+    valid from now (back-dated by ``CLOCK_SKEW``) for ``lifetime``, which may be
+    seconds: certificate rotation and expiry tests. Both files are written aside and
+    renamed into place one right after the other (a reader may still see one new file
+    and one old: mvproxy's reloader looks again at its next check). Returns the new
+    certificate."""
+    root = Path(directory)
+    sub = root / server_id
+    if not SERVER_ID_RE.fullmatch(server_id or "") or not sub.is_dir():
+        raise PKIError(f"no server {server_id!r} in {root}")
+    if lifetime <= timedelta(0):
+        raise PKIError(f"lifetime must be positive, got {lifetime}")
+    ca = _load_ca(root, "front-proxy-ca")
+    now = datetime.now(UTC)
+    key = _new_key()
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(FRONT_PROXY_CLIENT_CN))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(signs_certificates=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+            ca.key.public_key()), critical=False)
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + lifetime)
+    )
+    issued = _Issued(builder.sign(ca.key, hashes.SHA256()), key)
+    staging = Path(tempfile.mkdtemp(prefix=".rotate-", dir=sub))
+    try:
+        _write_pair(staging, "front-proxy-client", issued)
+        os.replace(staging / "front-proxy-client.key", sub / "front-proxy-client.key")
+        os.replace(staging / "front-proxy-client.crt", sub / "front-proxy-client.crt")
+    except OSError as e:
+        raise PKIError(f"cannot write {sub / 'front-proxy-client.crt'}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return issued.cert
 
 
 def issue_client_certificate(

@@ -22,6 +22,12 @@ backend gives for that request and tells nobody which groups peers serve. Only
 groups of the merged view get that far. A yes is remembered for ``AUTHORIZED_TTL``
 per set of credentials and path (kube-apiserver itself caches a successful token
 authentication for 10 s), by a hash, never the credentials themselves; a no never is.
+
+While the backend is down (the probe cannot connect, or polling ended it) and the
+request has credentials, a reachable peer is asked the same question instead: its
+mvproxy answers a peer with its own backend's answer, so that backend authorizes the
+same credentials under the same RBAC. Discovery through a member whose kube-apiserver
+restarts then keeps working, as its resource requests do (``handlers``).
 """
 
 from __future__ import annotations
@@ -30,19 +36,20 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from mvproxy import discovery, forwarding
 from mvproxy.cache import CacheView, DiscoveryCache
-from mvproxy.errors import UpstreamError
+from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamUnreachable
 from mvproxy.forwarding import ForwardError
+from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
 from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
-from mvproxy.transport import Transport, Upstream
+from mvproxy.transport import Fetched, Transport, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,8 @@ class DiscoveryHandler:
     probe_timeout: float
     max_bytes: int
     retry_after: int
+    peers: Callable[[], Mapping[str, Upstream]] = dict
+    """The current peers (to authorize at one while the backend is down)."""
     _probe_etags: dict[str, str] = field(default_factory=dict)
     _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
     clock: Callable[[], float] = time.monotonic
@@ -197,9 +206,10 @@ class DiscoveryHandler:
             exchange.respond(answer.status, answer.fields, answer.body)
 
     async def _authorize(self, exchange: Exchange, path: str) -> bool:
-        """True if the backend answers this downstream's ``path``; else its refusal has
-        been relayed. ``path`` is ``/api``, ``/apis`` or a merged group's ``/apis/<g>``
-        (the memo stays bounded by the groups servers list, not by what clients send)."""
+        """True if the backend (while it is down, a peer) answers this downstream's
+        ``path``; else its refusal has been relayed. ``path`` is ``/api``, ``/apis``
+        or a merged group's ``/apis/<g>`` (the memo stays bounded by the groups servers
+        list, not by what clients send)."""
         key = (_credentials_key(exchange), path)
         now = self.clock()
         if self._authorized.get(key, 0.0) > now:
@@ -215,17 +225,21 @@ class DiscoveryHandler:
         # ``timeout``: 400) before authorization, and a group only peers serve must be
         # refused exactly as an unknown one, whose request goes to the backend whole.
         target = f"{path}?{exchange.query}" if exchange.query else path
+        from_backend = True
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
                                                 headers=headers, timeout=self.probe_timeout,
                                                 max_bytes=self.max_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after,
-                                       idempotent=exchange.method in forwarding.IDEMPOTENT)
-            exchange.respond(failure.status, failure.fields, failure.body)
-            return False
-        if top_level and answer.status == 200 and answer.headers.get("ETag"):
+            at_peer = await self._authorize_at_peer(exchange, target, exc)
+            if at_peer is None:
+                failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                                           idempotent=exchange.method in forwarding.IDEMPOTENT)
+                exchange.respond(failure.status, failure.fields, failure.body)
+                return False
+            answer, from_backend = at_peer, False  # a peer's ETag is not the backend's
+        if top_level and from_backend and answer.status == 200 and answer.headers.get("ETag"):
             self._probe_etags[path] = answer.headers["ETag"]
         # A 404 for a group: authorized, the backend just does not serve it (peers do).
         if answer.status in (200, 304) or answer.status == 404 and not top_level:
@@ -239,6 +253,30 @@ class DiscoveryHandler:
                          forwarding.response_headers(list(answer.headers.items())),
                          answer.body)
         return False
+
+    async def _authorize_at_peer(self, exchange: Exchange, target: str,
+                                 cause: UpstreamError) -> Fetched | None:
+        """The same probe at a reachable peer, when the backend is down and the request
+        has credentials (anonymous ones are the backend's alone); None: no answer."""
+        if not isinstance(cause, (UpstreamConnectError, UpstreamUnreachable)) or \
+                not has_credentials(exchange.downstream, exchange.raw, upgrade=False):
+            return None
+        upstreams = self.peers()
+        for peer_id in sorted(self.cache.view().reachable):
+            upstream = upstreams.get(peer_id)
+            if upstream is None:
+                continue
+            headers = forwarding.headers_for(exchange, to_peer=True)
+            headers.popall("If-None-Match", None)
+            headers["Accept"] = discovery.PEER_ACCEPT
+            try:
+                return await self.transport.fetch(upstream, target, headers=headers,
+                                                  timeout=self.probe_timeout,
+                                                  max_bytes=self.max_bytes)
+            except UpstreamError as exc:
+                throttled.warning(log, "peer discovery probe failed", peer=peer_id,
+                                  error=str(exc)[:300])
+        return None
 
 
 _TOP_LEVEL = frozenset(("/api", "/apis"))

@@ -93,3 +93,14 @@ class UpstreamUnreachable(UpstreamProtocolError):
 class UpstreamUnserved(UpstreamError):
     """A peer mvproxy answered that nothing reached *its* backend (its 503 carries the
     ``UNSERVED`` marker), so the request may go to another capable peer."""
+
+
+class UpstreamShuttingDown(UpstreamUnserved):
+    """The upstream refused the request unprocessed because it is shutting down
+    (kube-apiserver's ``--shutdown-send-retry-after``: 429 with ``Retry-After`` and
+    ``Connection: close``), so it may go to another server; ``retry_after`` is the
+    upstream's own value."""
+
+    def __init__(self, upstream: str, message: str, retry_after: str = ""):
+        super().__init__(upstream, message)
+        self.retry_after = retry_after

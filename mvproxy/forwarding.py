@@ -35,6 +35,7 @@ from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamShuttingDown,
     UpstreamTimeout,
     UpstreamUnreachable,
     UpstreamUnserved,
@@ -238,12 +239,15 @@ def _may_resend(exc: UpstreamError, method: str, body_started: bool) -> bool:
 
 
 async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
-                  headers: CIMultiDict[str], *, long_running: bool) -> None:
+                  headers: CIMultiDict[str], *, long_running: bool,
+                  reroutable: bool = False) -> None:
     """Send the request to ``upstream`` and stream the answer to the downstream.
 
     Raises ``ForwardError`` if no response started, saying whether the request may
     go to another upstream; once the response has started, an upstream failure can
     only end the stream, so the downstream connection is closed instead.
+    ``reroutable``: another server could take the request, so the backend's refusal
+    while shutting down (``_Relay.on_head``) is a ``ForwardError`` too, not relayed.
     """
     head = request_head(exchange, upstream, headers)
     if not exchange.replayable():
@@ -261,7 +265,7 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
         except UpstreamConnectError as exc:
             raise ForwardError(exc, retryable=exchange.replayable()) from exc
         try:
-            await _exchange(exchange, pool, conn, head, transport, long_running)
+            await _exchange(exchange, pool, conn, head, transport, long_running, reroutable)
             return
         except _StaleConnection:
             # A pooled connection the upstream had closed: nothing of this request was
@@ -329,13 +333,14 @@ def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnec
 
 def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
                 head: bytes, *, long_running: bool,
-                finished: Callable[[HeadFailure | None, bool], None]
-                ) -> _Inline | None:
+                finished: Callable[[HeadFailure | None, bool], None],
+                reroutable: bool = False) -> _Inline | None:
     """The common case without a coroutine: a plain request on an idle pooled
     connection, moved entirely by protocol callbacks. None: nothing was done (no idle
     connection, or an upgrade), use ``forward``. ``finished(failure,
     cancelled)`` is called once: failure None when the answer went out (or was cut),
-    else what stopped it before any answer (the caller continues in a coroutine)."""
+    else what stopped it before any answer (the caller continues in a coroutine).
+    ``reroutable`` as for ``forward``."""
     if exchange.upgrade:
         return None
     pool = transport.pool(upstream)
@@ -344,7 +349,7 @@ def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
         return None
     if upstream.is_peer and exchange.has_body:
         exchange.keep_body_copy(REPLAY_LIMIT)
-    inline = _Inline(exchange, transport, pool, conn, long_running, finished)
+    inline = _Inline(exchange, transport, pool, conn, long_running, finished, reroutable)
     inline.start(head)
     return inline
 
@@ -356,11 +361,13 @@ class _Inline:
 
     def __init__(self, exchange: Exchange, transport: Transport, pool: Pool,
                  conn: UpstreamConnection, long_running: bool,
-                 finished: Callable[[HeadFailure | None, bool], None]):
+                 finished: Callable[[HeadFailure | None, bool], None],
+                 reroutable: bool = False):
         self.exchange, self.transport, self.pool, self.conn = exchange, transport, pool, conn
         self.long_running, self.finished = long_running, finished
         self.relay = _Relay(exchange, conn, transport.loop,
-                            check_unserved=pool.upstream.is_peer, notify=self.settled)
+                            check_unserved=pool.upstream.is_peer, notify=self.settled,
+                            check_shutdown=reroutable)
 
     def start(self, head: bytes) -> None:
         transport, relay, exchange = self.transport, self.relay, self.exchange
@@ -405,10 +412,11 @@ class _Inline:
 
 
 async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, head: bytes,
-                    transport: Transport, long_running: bool) -> None:
+                    transport: Transport, long_running: bool, reroutable: bool) -> None:
     upstream = pool.upstream
     loop = transport.loop
-    relay = _Relay(exchange, conn, loop, check_unserved=upstream.is_peer)
+    relay = _Relay(exchange, conn, loop, check_unserved=upstream.is_peer,
+                   check_shutdown=reroutable)
     assert relay.head is not None and relay.done is not None  # no notify: future mode
     deadlines = transport.deadlines
     deadlines.add(relay, loop.time() + transport.request_timeout, relay.expire, loop)
@@ -449,6 +457,14 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             pool.discard(conn)
 
 
+def _shutting_down(raw: wire.RawFields, lowered: list[bytes]) -> bool:
+    """kube-apiserver's answer while it drains (``--shutdown-send-retry-after``): 429
+    with ``Connection: close``, which its load-shedding 429s (priority and fairness,
+    max-in-flight) do not send; the request was not processed."""
+    return b"close" in wire.raw_connection_tokens(raw, lowered) \
+        and b"retry-after" in lowered
+
+
 def _retrieved(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
@@ -463,10 +479,14 @@ class _Relay:
 
     def __init__(self, exchange: Exchange, conn: UpstreamConnection,
                  loop: asyncio.AbstractEventLoop, *, check_unserved: bool,
-                 notify: Callable[[str, BaseException | None], None] | None = None):
+                 notify: Callable[[str, BaseException | None], None] | None = None,
+                 check_shutdown: bool = False):
         self.exchange = exchange
         self.conn = conn
         self.check_unserved = check_unserved
+        self.check_shutdown = check_shutdown
+        """A 429 with ``Connection: close`` (kube-apiserver shutting down) fails the
+        head instead of being relayed, when the request could be sent elsewhere."""
         self.notify = notify
         """Callback mode (``_Inline``): told ("head" | "done", error) instead of futures."""
         self.head: asyncio.Future[None] | None = None
@@ -529,6 +549,12 @@ class _Relay:
         if self.check_unserved and status == 503 and UNSERVED_RAW in lowered:
             self._settle("head", UpstreamUnserved(self.conn.upstream.name,
                                                      "nothing reached its backend"))
+            return
+        if status == 429 and self.check_shutdown and b"connection" in lowered \
+                and self.exchange.replayable() and _shutting_down(raw, lowered):
+            self._settle("head", UpstreamShuttingDown(
+                self.conn.upstream.name, "refused the request: shutting down",
+                wire.first(wire.decoded(raw), "retry-after")))
             return
         if status == 101:
             return  # on_upgrade follows

@@ -26,7 +26,13 @@ from prometheus_client import Gauge, Histogram
 from mvproxy import discovery, forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
-from mvproxy.errors import UpstreamError
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamShuttingDown,
+    UpstreamUnreachable,
+    UpstreamUnserved,
+)
 from mvproxy.forwarding import ForwardError, HeadFailure
 from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
@@ -83,12 +89,15 @@ class Proxy:
         info, long_running = request_info(exchange.method, exchange.path, exchange.query)
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
+        credentials = has_credentials(downstream, exchange.raw, upgrade=exchange.upgrade)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
-                                  credentials=has_credentials(downstream, exchange.raw,
-                                                              upgrade=exchange.upgrade),
-                                  rng=self.rng)
+                                  credentials=credentials, rng=self.rng)
         if decision.route == routing.PEER:
-            return self._peer_now(exchange, info, decision.peers, long_running)
+            if self._peer_now(exchange, info, decision.peers, long_running):
+                if decision.reason is routing.BACKEND_FAILING:
+                    self.metrics.backend_failovers.labels("failing").inc()
+                return True
+            return False
         if decision.route == routing.DISCOVERY:
             return self._discovery_now(exchange, info)
         if decision.route != routing.BACKEND:
@@ -96,10 +105,11 @@ class Proxy:
         backend = self.backend
         head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority)
         upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
+        fallback = _may_fall_back(info, peer_proxied, credentials)
         return self._inline(exchange, upstream, head, routing.BACKEND, long_running,
-                            ended=None,
-                            failed=lambda failure: self._recover(exchange, upstream, failure,
-                                                                 long_running))
+                            ended=None, reroutable=fallback or downstream.is_peer,
+                            failed=lambda failure: self._recover(
+                                exchange, info, upstream, failure, long_running, fallback))
 
     def _peer_now(self, exchange: Exchange, info: RequestInfo, candidates: tuple[str, ...],
                   long_running: bool) -> bool:
@@ -121,7 +131,8 @@ class Proxy:
 
     def _inline(self, exchange: Exchange, upstream: Upstream, head: bytes, route: str,
                 long_running: bool, *, ended: Callable[[], None] | None,
-                failed: Callable[[HeadFailure], Coroutine[Any, Any, None]]) -> bool:
+                failed: Callable[[HeadFailure], Coroutine[Any, Any, None]],
+                reroutable: bool = False) -> bool:
         """Start ``forward_now``; when the answer went out, was cut or the client left,
         ``ended()``; on a failure before any answer continue in the coroutine
         ``failed(failure)``. False: nothing started."""
@@ -139,7 +150,8 @@ class Proxy:
                 exchange.conn.continue_with(exchange, failed(failure)).add_done_callback(
                     lambda _: self._done(inflight, duration, started, long_running))
         inline = forwarding.forward_now(exchange, self.transport, upstream, head,
-                                        long_running=long_running, finished=finished)
+                                        long_running=long_running, finished=finished,
+                                        reroutable=reroutable)
         if inline is None:
             return False
         exchange.cancel_hook = inline.cancel
@@ -187,10 +199,10 @@ class Proxy:
         if long_running:
             self.metrics.open_watches.dec()
 
-    async def _recover(self, exchange: Exchange, upstream: Upstream, failure: HeadFailure,
-                       long_running: bool) -> None:
+    async def _recover(self, exchange: Exchange, info: RequestInfo, upstream: Upstream,
+                       failure: HeadFailure, long_running: bool, fallback: bool) -> None:
         """After ``handle_now`` failed before any answer: a stale pooled connection is
-        retried once on a fresh one; anything else is answered as ``_to_backend``
+        retried once on a fresh one; anything else is handled as ``_to_backend``
         would."""
         try:
             if isinstance(failure, ForwardError):
@@ -198,14 +210,43 @@ class Proxy:
             self._drop_idle(upstream)
             headers = forwarding.headers_for(exchange, to_peer=False)
             await forwarding.forward(exchange, self.transport, upstream, headers,
-                                     long_running=long_running)
+                                     long_running=long_running,
+                                     reroutable=fallback or exchange.downstream.is_peer)
         except ForwardError as exc:
-            log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
-            reply(exchange, self._backend_failure(exchange, exc))
+            await self._backend_failed(exchange, info, exc, long_running, fallback)
+
+    async def _backend_failed(self, exchange: Exchange, info: RequestInfo, exc: ForwardError,
+                              long_running: bool, fallback: bool) -> None:
+        """Nothing the backend did reached the client. If the request never reached it
+        (or it refused it while shutting down) and a reachable peer serves the same
+        resource, the peer takes it: during the backend's restart this member keeps
+        serving what its peers can. Otherwise the failure is the answer."""
+        log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300],
+                                                         retry=exc.retryable))
+        if isinstance(exc.cause, BACKEND_DOWN):
+            # Refusing connections, or shutting down: what it listed may change when
+            # it is back (another version). Until a poll succeeds, routing sends what a
+            # peer serves too to that peer (``routing.BACKEND_FAILING``).
+            self.cache.record_failure(self.server_id, f"request: {str(exc)[:200]}")
+        if fallback and exc.retryable:
+            peers = routing.fallback_peers(info, self.cache.view(), self.rng)
+            if peers:
+                reason = ("shutting_down" if isinstance(exc.cause, UpstreamShuttingDown)
+                          else "unanswered")
+                self.metrics.backend_failovers.labels(reason).inc()
+                await self._to_peers(exchange, info, peers, long_running)
+                return
+        reply(exchange, self._backend_failure(exchange, exc))
 
     def _backend_failure(self, exchange: Exchange, exc: ForwardError) -> Reply:
-        answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
-                                  idempotent=exchange.method in forwarding.IDEMPOTENT)
+        if exchange.downstream.is_peer and isinstance(exc.cause, UpstreamShuttingDown):
+            # Refused unprocessed: the peer that sent this may try another, as when
+            # nothing reached the backend at all.
+            answer = upstream_failure(UpstreamUnserved(exc.cause.upstream, str(exc.cause)),
+                                      "the backend API server", self.retry_after)
+        else:
+            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
         if exchange.downstream.is_peer and answer.status == 503:
             # Nothing reached the backend: the peer that sent this may try another.
             answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
@@ -219,10 +260,11 @@ class Proxy:
         info, long_running = request_info(exchange.method, exchange.path, exchange.query)
         exchange.watch = info.verb == "watch"
         peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
+        credentials = has_credentials(downstream, exchange.raw, upgrade=exchange.upgrade)
         decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
-                                  credentials=has_credentials(downstream, exchange.raw,
-                                                              upgrade=exchange.upgrade),
-                                  rng=self.rng)
+                                  credentials=credentials, rng=self.rng)
+        if decision.reason is routing.BACKEND_FAILING:
+            self.metrics.backend_failovers.labels("failing").inc()
         if log.isEnabledFor(V(4)):
             log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
                                              reason=decision.reason,
@@ -242,32 +284,35 @@ class Proxy:
                 reply(exchange, self._unavailable(info, decision))
             else:
                 await self._forward(exchange, info, decision, route,
-                                    long_running or exchange.upgrade)
+                                    long_running or exchange.upgrade,
+                                    _may_fall_back(info, peer_proxied, credentials))
         finally:
             inflight.dec()
             duration.observe(time.perf_counter() - started)
 
     async def _forward(self, exchange: Exchange, info: RequestInfo,
-                       decision: routing.Decision, route: str, long_running: bool) -> None:
+                       decision: routing.Decision, route: str, long_running: bool,
+                       fallback: bool) -> None:
         if long_running:
             self.metrics.open_watches.inc()
         try:
             if route == routing.PEER:
                 await self._to_peers(exchange, info, decision.peers, long_running)
             else:
-                await self._to_backend(exchange, long_running)
+                await self._to_backend(exchange, info, long_running, fallback)
         finally:
             if long_running:
                 self.metrics.open_watches.dec()
 
-    async def _to_backend(self, exchange: Exchange, long_running: bool) -> None:
+    async def _to_backend(self, exchange: Exchange, info: RequestInfo, long_running: bool,
+                          fallback: bool) -> None:
         headers = forwarding.headers_for(exchange, to_peer=False)
         try:
             await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
-                                     headers, long_running=long_running)
+                                     headers, long_running=long_running,
+                                     reroutable=fallback or exchange.downstream.is_peer)
         except ForwardError as exc:
-            log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300]))
-            reply(exchange, self._backend_failure(exchange, exc))
+            await self._backend_failed(exchange, info, exc, long_running, fallback)
 
     async def _to_peers(self, exchange: Exchange, info: RequestInfo,
                         candidates: tuple[str, ...], long_running: bool, *,
@@ -422,6 +467,18 @@ class Proxy:
             503, f"{what} is served only by peers that are unreachable now "
                  f"({', '.join(decision.peers)}); retry later",
             headers={"Retry-After": str(self.retry_after)})
+
+
+BACKEND_DOWN = (UpstreamConnectError, UpstreamUnreachable, UpstreamUnserved)
+"""Request failures that say the backend is down or going (not just slow or broken):
+no connection, ended by polling's verdict, refused unprocessed while shutting down."""
+
+
+def _may_fall_back(info: RequestInfo, peer_proxied: bool, credentials: bool) -> bool:
+    """Whether a request routed to the backend may go to a peer serving the same
+    resource if the backend cannot take it: resource requests with credentials (an
+    anonymous one never reaches a peer), never one a peer already sent here."""
+    return credentials and info.is_resource_request and not peer_proxied
 
 
 MEMO_KEY_MAX = 512

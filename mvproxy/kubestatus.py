@@ -15,6 +15,7 @@ from typing import Any
 from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
+    UpstreamShuttingDown,
     UpstreamTimeout,
     UpstreamUnreachable,
     UpstreamUnserved,
@@ -32,6 +33,7 @@ REASONS = {
     415: "UnsupportedMediaType",
     408: "Timeout",
     422: "Invalid",
+    429: "TooManyRequests",
     431: "RequestHeaderFieldsTooLarge",
     500: "InternalError",
     501: "NotImplemented",
@@ -86,6 +88,7 @@ def upstream_failure(cause: UpstreamError, who: str, retry_after: int, *,
 
     - nothing was sent (connect failure), or a peer said nothing reached its backend:
       503 ServiceUnavailable with Retry-After;
+    - the upstream refused it unprocessed while shutting down: 429 with its Retry-After;
     - sent, no answer in time: 504 Timeout, without Retry-After: client-go retries any
       response that carries one, even a POST that may already have been applied;
     - sent, answer unusable: 502, without Retry-After, for the same reason.
@@ -95,6 +98,12 @@ def upstream_failure(cause: UpstreamError, who: str, retry_after: int, *,
     addresses and TLS details belong in the log, not in a body any client can read.
     """
     again = {"Retry-After": str(retry_after)} if idempotent else None
+    if isinstance(cause, UpstreamShuttingDown):
+        # The upstream's own answer, as a Status: nothing was processed, and its
+        # Retry-After says when to come back.
+        wait = cause.retry_after if cause.retry_after.isdigit() else str(retry_after)
+        return status_reply(429, f"{who} is shutting down; retry later",
+                            headers={"Retry-After": wait})
     if isinstance(cause, UpstreamConnectError):
         return status_reply(503, f"error trying to reach {who}: cannot connect",
                             headers={"Retry-After": str(retry_after)})

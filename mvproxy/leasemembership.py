@@ -11,7 +11,18 @@
 
 ``peers()`` answers from memory: the parsed Leases whose expiry has not passed, so a
 killed peer drops out when its Lease expires even if nobody deletes it; a renewTime is
-believed only up to when we first saw it (``mvproxy.leases``), across re-lists too. A
+believed only up to when we first saw it (``mvproxy.leases``), across re-lists too.
+
+A kube-apiserver deletes its identity Lease on every graceful shutdown, so on every
+restart of a rolling upgrade, and writes a new one a few seconds after it starts
+again. Dropping its peer at the deletion would make its APIs vanish from routing and
+merged discovery meanwhile: a client would get 404 for what only it serves, the false
+404 this proxy exists to prevent (measured against real 1.36.3: eleven 404s in 2 s of a
+restart). So an identity-Lease peer whose Lease is deleted (or missing from a re-list)
+stays a peer for ``departure_grace`` (``discovery.forgetAfter``: as long as a peer that
+stopped answering keeps its snapshot), unreachable while it is away, so its APIs are
+``Stale`` and requests for them get 503; its new Lease takes over when it comes back.
+An mvproxy deletes its own Lease only when it leaves, and is dropped at once. A
 Lease that does not parse (a malformed object included) is logged once (per name and
 reason), counted, and ignored. Any other failure in a loop (a backend answer of an
 unexpected shape, a bug) is logged (throttled), counted, and retried after the backoff:
@@ -70,7 +81,8 @@ class LeaseMembership:
     def __init__(self, *, client: KubeClient, server_id: str, namespace: str, url: str,
                  duration: float, renew_period: float, identity_leases: bool,
                  metrics: Metrics | None = None, on_change: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None):
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 departure_grace: float = 600.0):
         self.client = client
         self.server_id = server_id
         self.namespace = namespace
@@ -83,6 +95,9 @@ class LeaseMembership:
         self._clock = clock
         self._rng = rng or random.Random()
         self._leases: dict[str, dict[str, LeasePeer]] = {s: {} for s in self.selectors}
+        self.departure_grace = departure_grace
+        self._departed: dict[str, tuple[LeasePeer, float]] = {}
+        """Identity Leases deleted, by name: (the peer, until when it still counts)."""
         self._own: dict[str, Any] | None = None
         self._logged: set[tuple[str, str]] = set()
         self._failing: dict[str, str] = {}
@@ -111,17 +126,29 @@ class LeaseMembership:
     def _compute(self, now: float) -> tuple[tuple[Peer, ...], float]:
         chosen: dict[str, LeasePeer] = {}
         sources: dict[str, str] = {}
+        until: dict[str, float] = {}
         for selector in self.selectors:  # mvproxy Leases first: they win a shared ID
             source = "lease" if selector == MVPROXY_SELECTOR else IDENTITY_SOURCE
             for lease in self._leases[selector].values():
                 if lease.expires > now and lease.server_id != self.server_id:
                     if chosen.setdefault(lease.server_id, lease) is lease:
                         sources[lease.server_id] = source
+                        until[lease.server_id] = lease.expires
+        for name, (lease, grace) in list(self._departed.items()):
+            deadline = min(grace, lease.expires)
+            if deadline <= now:
+                del self._departed[name]
+                log.info("identity Lease gone for good; its peer leaves",
+                         extra=kv(lease=name))
+            elif lease.server_id != self.server_id and \
+                    chosen.setdefault(lease.server_id, lease) is lease:
+                sources[lease.server_id] = IDENTITY_SOURCE
+                until[lease.server_id] = deadline
         live = sorted(chosen.values(), key=lambda p: p.server_id)
         if len(live) > MAX_PEERS:
             self._count_rejected("too_many", len(live) - MAX_PEERS)
             live = live[:MAX_PEERS]
-        next_expiry = min((p.expires for p in live), default=float("inf"))
+        next_expiry = min((until[p.server_id] for p in live), default=float("inf"))
         return tuple(Peer(p.server_id, p.url, sources[p.server_id]) for p in live), next_expiry
 
     # ------------------------------------------------------------------ running
@@ -236,6 +263,8 @@ class LeaseMembership:
         known = self._leases[selector]  # first sightings survive a re-list
         for item in items:
             self._take(fresh, item, known)
+        for name in set(known) - set(fresh):  # deleted while we were not watching
+            self._depart(selector, name, known[name])
         self._leases[selector] = fresh
         self._changed()
         self._listed.add(selector)
@@ -277,7 +306,8 @@ class LeaseMembership:
                 name = _field(obj, "metadata", "name")
                 if not isinstance(name, str):
                     self._reject("?", LeaseRejected("malformed", "deleted Lease without a name"))
-                elif store.pop(name, None) is not None:
+                elif (gone := store.pop(name, None)) is not None:
+                    self._depart(selector, name, gone)
                     self._changed()
             elif kind != "BOOKMARK":
                 raise KubeError(200, "malformed", "unknown watch event type")
@@ -304,9 +334,24 @@ class LeaseMembership:
         if name not in store and len(store) >= MAX_LEASES:
             self._reject(name, LeaseRejected("too_many", f"more than {MAX_LEASES} Leases"))
             return
+        if self._departed.pop(name, None) is not None:
+            log.info("identity Lease back", extra=kv(lease=name))
+            self._changed()
         if store.get(name) != peer:
             store[name] = peer
             self._changed()
+
+    def _depart(self, selector: str, name: str, peer: LeasePeer) -> None:
+        """An identity Lease was deleted: its kube-apiserver shut down, most often to
+        restart. It stays a peer for ``departure_grace`` (module docstring)."""
+        if selector != IDENTITY_SELECTOR or self.departure_grace <= 0:
+            return
+        if len(self._departed) >= MAX_LEASES:
+            self._count_rejected("too_many")
+            return
+        self._departed[name] = (peer, self._clock() + self.departure_grace)
+        log.info("identity Lease deleted; its peer stays, unreachable, until it comes back "
+                 "or the grace ends", extra=kv(lease=name, grace_seconds=self.departure_grace))
 
     # ------------------------------------------------------------------ reporting
 

@@ -71,6 +71,13 @@ class Metrics:
             "mvproxy_peer_failovers_total",
             "Times a connect failure to one capable peer moved a request to the next.",
             registry=r)
+        self.backend_failovers = Counter(
+            "mvproxy_backend_failovers_total",
+            "Requests for what the backend serves that went to a peer serving it too, "
+            "because the backend was failing (failing: its last poll, or a request, found "
+            "it down), nothing reached it (unanswered) or it refused them while shutting "
+            "down (shutting_down).",
+            ("reason",), registry=r)
         self.inflight_requests = Gauge(
             "mvproxy_inflight_requests", "Requests being served, by route.", ("route",),
             registry=r)

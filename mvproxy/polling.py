@@ -3,7 +3,8 @@
 One task per server, so a slow peer never delays another; each poll has its own
 timeout and sends ``If-None-Match`` so an unchanged document costs a 304. Results
 go into the ``DiscoveryCache``. Failures keep the last good snapshot; a server never
-fetched yet is retried after ``FIRST_RETRY``, doubling up to the interval. Every failed
+fetched yet, or whose last poll failed, is retried after ``FIRST_RETRY``, doubling up
+to the interval. Every failed
 fetch is counted, so ``rate()`` is honest; it is logged once per change of state
 (ok -> failing, or a different reason), not once per poll. Nothing raises out of the
 loops.
@@ -114,15 +115,16 @@ class Poller:
     def __init__(self, *, cache: DiscoveryCache, transport: Transport, backend: Upstream,
                  peers: Callable[[], Mapping[str, Upstream]], settings: PollSettings,
                  metrics: Metrics, rng: random.Random | None = None,
-                 on_failure: Callable[[str, bool], None] | None = None,
+                 on_failure: Callable[[str, bool, str], None] | None = None,
                  wake: asyncio.Event | None = None):
         self.cache = cache
         self._wake = wake
         """Set by a dynamic membership source when the peers changed: reconcile at once,
         so a joining peer is polled now and a leaving one dropped now."""
         self._on_failure = on_failure
-        """Told (server ID, whether it just became unreachable) after every failed poll,
-        so the request path stops reusing connections to a server that stopped answering."""
+        """Told (server ID, whether it just became unreachable, the first failure's
+        reason) after every failed poll, so the request path stops reusing connections
+        to a server that stopped answering."""
         self.transport = transport
         self.settings = settings
         self.metrics = metrics
@@ -194,8 +196,12 @@ class Poller:
         while True:
             await self.poll_once(server_id, state)
             delay = self.settings.interval
-            if state.snapshot is None:  # nothing fetched yet: try again soon
+            if state.snapshot is None or state.failure is not None:
+                # Nothing fetched yet, or failing: try again soon, so a server that is
+                # back (perhaps as another version) is seen within about a second.
                 delay, retry = min(retry, delay), retry * 2
+            else:
+                retry = FIRST_RETRY
             spread = self._rng.uniform(-self.settings.jitter, self.settings.jitter)
             await asyncio.sleep(delay * (1 + spread))
 
@@ -277,7 +283,7 @@ class Poller:
             log.warning("server became unreachable; its versions are now served as Stale",
                         extra=kv(server=server_id))
         if self._on_failure is not None:
-            self._on_failure(server_id, became_unreachable)
+            self._on_failure(server_id, became_unreachable, kind)
 
     def _succeeded(self, server_id: str, state: _ServerPoll, snapshot: Snapshot) -> None:
         was_reachable = self._reachable(server_id)

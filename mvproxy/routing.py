@@ -20,9 +20,12 @@ the cost does not grow with the number of resources.
    ``/openapi/v3/apis/<g>/<v>`` (and other forms of ``/apis/<g>``: ``HEAD``, a
    trailing slash) -> backend if it serves the group (version), else a capable peer.
 5. Resource requests -> backend if it serves group/version/resource *and* the
-   subresource; else the capable reachable peers in random order (the first is
-   tried, the rest are failover); capable peers that are all unreachable -> 503;
-   nobody serves it -> backend, whose 404 is then genuine.
+   subresource (but while the backend is failing, the reachable peers that serve it
+   too, if any: ``BACKEND_FAILING``); else the capable reachable peers in
+   random order (the first is tried, the rest are failover); capable peers that are
+   all unreachable -> 503; nobody serves it -> backend, whose 404 is then genuine.
+   ``fallback_peers`` gives the handler the same peers when a request the backend
+   should have served never reached it (or it refused it while shutting down).
 6. Anything else -> backend.
 
 **Without credentials** (``credentials=False``: the downstream is neither a peer nor
@@ -88,6 +91,13 @@ TO_BACKEND_NO_CREDENTIALS = Decision(BACKEND, "no credentials")
 """Only peers serve it, and the client sent no credentials: answered as by a server
 that does not serve it (see the module docstring)."""
 TO_BACKEND_OTHER = Decision(BACKEND, "not an API request")
+BACKEND_FAILING = "backend failing"
+"""The reason of a ``PEER`` decision for what the backend serves, taken while the
+backend is failing: its last discovery poll failed, or a request found it refusing
+connections or shutting down, and no poll has succeeded since (compared by identity).
+Its snapshot is not to be trusted then: a backend that restarted as another version
+(a rolling upgrade's step, a rollback) may no longer serve what it listed, and a
+request sent there would get its 404 until the next poll."""
 
 _DISCOVERY_PATHS = frozenset(("/api", "/api/", "/apis", "/apis/"))
 _OPENAPI_INDEX_PATHS = frozenset(("/openapi/v3", "/openapi/v3/"))
@@ -113,7 +123,11 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credential
         return TO_BACKEND_UNSYNCED
     if info.is_resource_request:
         if local.serves(info.api_group, info.api_version, info.resource, info.subresource):
-            return TO_BACKEND_LOCAL
+            backend = view.backend
+            if backend.reachable and backend.last_error is None or not credentials:
+                return TO_BACKEND_LOCAL
+            peers = fallback_peers(info, view, rng)
+            return Decision(PEER, BACKEND_FAILING, peers) if peers else TO_BACKEND_LOCAL
         capable = view.capable_peers(info.api_group, info.api_version, info.resource,
                                      info.subresource)
         return _among(capable, view, credentials, rng)
@@ -132,6 +146,22 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credential
         if peers:
             return Decision(OPENAPI_INDEX, OPENAPI_MERGED, peers)
     return _decide_group_version(*group_version, view, credentials, rng)
+
+
+def fallback_peers(info: RequestInfo, view: CacheView,
+                   rng: random.Random | None = None) -> tuple[str, ...]:
+    """The reachable peers that serve this resource request (and subresource), in
+    random order: where a request the backend serves may go when the backend cannot
+    take it. Empty for anything but a resource request. The caller checks that the
+    request has credentials (an anonymous one never reaches a peer)."""
+    if not info.is_resource_request:
+        return ()
+    reachable = [peer for peer in view.capable_peers(info.api_group, info.api_version,
+                                                     info.resource, info.subresource)
+                 if peer in view.reachable]
+    if len(reachable) > 1:
+        (rng or random).shuffle(reachable)
+    return tuple(reachable)
 
 
 def is_group_discovery(info: RequestInfo) -> bool:

@@ -8,8 +8,12 @@ only ``UpstreamConnectError`` (nothing was sent, safe to try another peer),
 - **Pools**: one per upstream, idle connections reused most-recent-first and capped
   (``max_idle``); a connection idle longer than ``idle_expiry`` is closed instead of
   reused, well inside kube-apiserver's 90 s idle timeout, so a reused connection is
-  rarely one the server is closing. ``reset`` drops a pool and aborts the requests on
-  it: polling calls it when a peer stops answering, so nothing waits on a frozen peer.
+  rarely one the server is closing. A connection made with a client context that a
+  certificate reload has since replaced is never reused either: kube-apiserver checks
+  the client certificate's validity on every request, so a pooled connection still
+  presenting the old certificate would get 401 once it expires. ``reset`` drops a pool
+  and aborts the requests on it: polling calls it when a peer (or the backend) stops
+  answering, so nothing waits on a frozen server.
 - **Sockets** carry TCP keep-alive and ``TCP_USER_TIMEOUT``: a peer that vanished from
   the network (no RST ever comes) is noticed within about ``keepalive`` seconds even on
   a quiet watch.
@@ -155,6 +159,9 @@ class UpstreamConnection(FlowControl):
         """Some byte of the current response arrived."""
         self.reset = False
         """Aborted by ``Pool.reset`` (its server stopped answering): not worth retrying."""
+        self.context: ssl.SSLContext | None = None
+        """The client context of its handshake: once a reload replaced it, the
+        connection finishes what it carries and is not reused."""
         self._handler: ResponseHandler | None = None
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._head_request = False
@@ -384,11 +391,14 @@ class Pool:
         return f"<Pool {self.upstream.name}: {len(self.busy)} busy, {len(self.idle)} idle>"
 
     def take_idle(self) -> UpstreamConnection | None:
-        """The most recently used idle connection still worth reusing, if any."""
+        """The most recently used idle connection still worth reusing, if any: open,
+        not idle too long, made with the client context in use now."""
         now = time.monotonic()
+        context = current_context(self.upstream.ssl_context)
         while self.idle:
             conn = self.idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_expiry:
+            if not conn.closed and now - conn.idle_since < self.idle_expiry \
+                    and conn.context is context:
                 self.busy.add(conn)
                 return conn
             conn.close()
@@ -409,10 +419,10 @@ class Pool:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 conn = UpstreamConnection(self)
+                conn.context = current_context(upstream.ssl_context)
                 conn.socket_transport = await connect_tls(
-                    loop, upstream.host, upstream.port, conn,
-                    current_context(upstream.ssl_context), server_hostname=upstream.host,
-                    handshake_timeout=self.connect_timeout)
+                    loop, upstream.host, upstream.port, conn, conn.context,
+                    server_hostname=upstream.host, handshake_timeout=self.connect_timeout)
         except TimeoutError as exc:
             raise UpstreamConnectError(upstream.name, "connect timed out") from exc
         except socket.gaierror as exc:
@@ -431,9 +441,11 @@ class Pool:
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
-        """Back to the idle list if it can carry another request, else closed."""
+        """Back to the idle list if it can carry another request, else closed (also
+        when a certificate reload replaced its client context meanwhile)."""
         self.busy.discard(conn)
-        if conn.reusable and len(self.idle) < self.max_idle:
+        if conn.reusable and len(self.idle) < self.max_idle \
+                and conn.context is current_context(self.upstream.ssl_context):
             conn.idle_since = time.monotonic()
             self.idle.append(conn)
         else:

@@ -377,17 +377,34 @@ async def test_a_probe_the_backend_answers_with_an_error_is_relayed(aiohttp_serv
 async def test_a_backend_that_cannot_be_reached_is_a_503_with_retry_after(
         aiohttp_server, root):
     """The backend stopped after the first sync: the merged view still holds, the probe
-    cannot connect, and the client gets 503 ServiceUnavailable with Retry-After."""
+    cannot connect. Without credentials the client gets 503 ServiceUnavailable with
+    Retry-After (anonymous requests are the backend's alone)."""
     async with probed_cluster(aiohttp_server, root) as c:
         await c.backend_server.close()
         for path in ("/api", "/apis", f"/apis/{GADGETS}"):
             assert _answerable_from_the_merge(c)
-            status, fields, body = await _as(c, path, "ok")
+            status, fields, body = await c.get(path, who="bearer")
             assert status == 503, (path, body)
-            assert body == _status(503, "ServiceUnavailable",
-                                   "error trying to reach the backend API server: "
-                                   "cannot connect")
+            assert json.loads(body) == _status(503, "ServiceUnavailable",
+                                               "error trying to reach the backend API "
+                                               "server: cannot connect")
             assert fields.get("Retry-After") == "1"
+        assert not [p for p in c.seen["peer"] if p[0].startswith("PROBE")]
+
+
+async def test_while_the_backend_is_down_a_peer_authorizes_discovery(aiohttp_server, root):
+    """With credentials, the probe goes to a reachable peer instead, which answers a peer
+    with its own backend's answer (that backend authorizes the same credentials): the
+    merged view is served, so discovery through a member whose kube-apiserver restarts
+    keeps working, as its resource requests do."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        await c.backend_server.close()
+        for path in ("/api", "/apis", f"/apis/{GADGETS}"):
+            status, _, body = await _as(c, path, "ok", KUBECTL if path != f"/apis/{GADGETS}"
+                                        else None)
+            assert status == 200, (path, body)
+        probes = [p for p in c.seen["peer"] if p[0].startswith("PROBE")]
+        assert ("PROBE /apis", "Bearer good") in probes, probes
 
 
 async def test_a_forwarded_discovery_request_that_fails_is_retryable_too(

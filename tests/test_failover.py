@@ -94,12 +94,24 @@ async def test_an_unreachable_backend_is_marked_unserved_for_peers_only(aiohttp_
         await ready(c)
         await c.backend_server.close()
         path = "/api/v1/namespaces/default/configmaps"
+        # A user's request for what the peer serves too goes there instead ...
+        status, _, body = await c.get(path)
+        assert status == 200 and json.loads(body)["server"] == "peer", body
+        assert await c.metric("mvproxy_backend_failovers_total", reason="unanswered") == 1
+        # ... a peer's gets 503 "unserved" (it sent it here: it may try another) ...
         status, headers, _ = await c.get(path, who="peer",
                                          headers={"x-kubernetes-peer-proxied": "true"})
         assert status == 503 and headers[UNSERVED] == "backend-unreachable"
-        status, headers, _ = await c.get(path)
+        # ... a client without credentials the backend's failure (never a peer) ...
+        status, headers, _ = await c.get(path, who="bearer")
         assert status == 503 and UNSERVED not in headers
         assert "Retry-After" in headers
+        # ... and now that the backend is failing, routing sends the user to the peer
+        # directly, without trying the backend first.
+        status, _, body = await c.get(path)
+        assert status == 200 and json.loads(body)["server"] == "peer", body
+        assert await c.metric("mvproxy_backend_failovers_total", reason="failing") == 1
+        assert await c.metric("mvproxy_backend_failovers_total", reason="unanswered") == 1
 
 
 def endless_watch(opened: asyncio.Event):
@@ -139,3 +151,93 @@ async def test_a_watch_through_a_peer_that_stops_answering_ends(aiohttp_server, 
             assert loop.time() - began < WAIT / 2
         record("Failover", "watch through a peer that stops answering polls", 1,
                f"ended after {loop.time() - began:.1f}s (staleAfter 0.3s)")
+
+
+# --------------------------------------------------------------------------- backend shutdown
+
+SECRETS = "/api/v1/namespaces/default/secrets"  # served by the backend and the peer
+SHUTTING_DOWN = "The apiserver is shutting down, please try again later.\n"
+
+
+def backend_shutting_down(answers: list[str], *, close: bool = True):
+    """The backend's secrets answer as kube-apiserver does after its shutdown delay with
+    ``--shutdown-send-retry-after`` (429, ``Retry-After: 5``, ``Connection: close``,
+    plain text); ``close`` False: a load-shedding 429 (priority and fairness) instead."""
+    async def refuse(request: web.Request) -> web.Response:
+        await request.read()
+        answers.append(request.method)
+        headers = {"Retry-After": "5", "Connection": "close"} if close else {"Retry-After": "1"}
+        return web.Response(status=429, text=SHUTTING_DOWN if close else "Too many requests",
+                            headers=headers)
+
+    def routes(app: web.Application) -> None:
+        app.router.add_route("*", SECRETS, refuse)
+    return routes
+
+
+async def test_a_backend_shutting_down_hands_what_a_peer_serves_to_the_peer(aiohttp_server, root):
+    """kube-apiserver drains with 429 + Connection: close: the request was not processed,
+    so a GET goes to a peer serving secrets too; the client's connection to mvproxy stays
+    open. The backend is then failing for routing: the next request goes to the peer
+    without asking it, until a poll of the backend succeeds."""
+    answers: list[str] = []
+    async with cluster(aiohttp_server, root,
+                       backend_routes=backend_shutting_down(answers)) as c:
+        await ready(c)
+        # A pooled backend connection first: the request is then forwarded by callbacks
+        # alone (``forward_now``), the path most requests take.
+        assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
+        for _ in range(2):  # the second on the same client connection
+            status, headers, body = await c.get(SECRETS)
+            assert status == 200 and json.loads(body)["server"] == "peer", body
+            assert "Connection" not in headers or headers["Connection"] != "close"
+        assert answers == ["GET"]
+        assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") == 1
+        assert await c.metric("mvproxy_backend_failovers_total", reason="failing") == 1
+        # The backend's discovery polls still succeed: routing trusts it again.
+        await c.until(lambda: _backend_trusted(c), "a successful poll of the backend")
+        assert (await c.get(SECRETS))[0] == 200 and answers == ["GET", "GET"]
+        record("Failover", "backend answers 429 shutting down to a GET a peer can serve", 1,
+               "served by the peer")
+
+
+async def _backend_trusted(c) -> bool:
+    """Whether a request for what both serve goes to the backend again."""
+    before = len(c.seen["backend"])
+    assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
+    return len(c.seen["backend"]) > before
+
+
+async def test_a_backend_shutting_down_is_relayed_where_nobody_else_may_take_it(
+        aiohttp_server, root):
+    """A POST whose body went to the backend (no copy is kept for the backend), and a
+    request without credentials (never sent to a peer): kube-apiserver's own 429 with
+    its Retry-After, as a client sees it directly, minus Connection: close (mvproxy keeps
+    the client's connection). A peer's request gets 503 "unserved", so that peer tries
+    another capable one."""
+    answers: list[str] = []
+    async with cluster(aiohttp_server, root,
+                       backend_routes=backend_shutting_down(answers)) as c:
+        await ready(c)
+        async with c.sessions["admin"].post(c.base + SECRETS, json={"kind": "Secret"}) as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == "5"
+            assert await resp.text() == SHUTTING_DOWN
+        status, headers, body = await c.get(SECRETS, who="bearer")
+        assert (status, headers["Retry-After"], body.decode()) == (429, "5", SHUTTING_DOWN)
+        status, headers, _ = await c.get(SECRETS, who="peer",
+                                         headers={"x-kubernetes-peer-proxied": "true"})
+        assert status == 503 and headers[UNSERVED] == "backend-unreachable"
+        assert answers == ["POST", "GET", "GET"]
+        assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") is None
+
+
+async def test_a_load_shedding_429_is_relayed(aiohttp_server, root):
+    """Priority and fairness' 429 has no Connection: close: the backend is busy, not
+    leaving; its answer is the client's, and no peer is asked."""
+    answers: list[str] = []
+    async with cluster(aiohttp_server, root,
+                       backend_routes=backend_shutting_down(answers, close=False)) as c:
+        await ready(c)
+        status, headers, body = await c.get(SECRETS)
+        assert (status, headers["Retry-After"], body) == (429, "1", b"Too many requests")
+        assert c.seen["peer"] == []

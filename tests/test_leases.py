@@ -22,6 +22,7 @@ from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
 from mvproxy.leases import (
     IDENTITY_LABEL,
+    IDENTITY_SELECTOR,
     PEER_ADDRESS_ANNOTATION,
     URL_ANNOTATION,
     LeaseRejected,
@@ -776,3 +777,67 @@ async def test_identity_lease_peers_are_marked_and_need_no_name_in_their_certifi
         sources = {p.server_id: p.source for p in a.peers()}
     assert sources == {"apiserver-b": "lease", "apiserver-7f3a": "apiserver-identity"}
     assert "lease" in NAMED_SOURCES and "apiserver-identity" not in NAMED_SOURCES
+
+
+async def test_a_deleted_identity_lease_keeps_its_peer_for_the_grace(sim, clean):
+    """kube-apiserver deletes its identity Lease on every graceful shutdown, so on every
+    restart: its peer stays (then unreachable: its APIs Stale, 503) until its new Lease
+    comes, or until ``departure_grace`` ends. Against real 1.36.3 the peer used to go at
+    once, and requests for what only it serves got 404 for the restart's 2 s."""
+    offset = [0.0]
+    a = member(sim, "apiserver-a", 7001, clock=lambda: time.time() + offset[0])
+    a.departure_grace = 60.0
+    name = "apiserver-7f3a"
+    lease = f"{LEASES}/{name}"
+
+    def ids() -> set[str]:
+        return {p.server_id for p in a.peers()}
+
+    async with running(a):
+        assert admin(sim, "POST", LEASES, identity_lease(name, "127.0.0.1:7009",
+                                                         renew=time.time()))[0] == 201
+        await until(lambda: name in ids(), "a to take the identity Lease's peer")
+        assert admin(sim, "DELETE", lease)[0] == 200  # a graceful shutdown
+        await until(lambda: name in a._departed, "the deletion to be seen")
+        assert name in ids()
+        # Back: its new Lease (a new holder) is the peer again; gone, and back again.
+        assert admin(sim, "POST", LEASES, identity_lease(name, "127.0.0.1:7009",
+                                                         renew=time.time()))[0] == 201
+        await until(lambda: name not in a._departed, "the new Lease to be seen")
+        assert name in ids()
+        assert admin(sim, "DELETE", lease)[0] == 200
+        await until(lambda: name in a._departed, "the second deletion to be seen")
+        offset[0] = 59.0
+        assert name in ids()
+        offset[0] = 61.0  # it did not come back within the grace: it leaves
+        assert name not in ids() and not a._departed
+
+
+async def test_an_identity_lease_deleted_between_two_lists_keeps_its_peer_too(sim, clean):
+    """The same when the deletion is learnt from a re-list (a watch that ended or a 410)."""
+    a = member(sim, "apiserver-a", 7001)
+    a.departure_grace = 60.0
+    name = "apiserver-7f3a"
+    assert admin(sim, "POST", LEASES, identity_lease(name, "127.0.0.1:7009",
+                                                     renew=time.time()))[0] == 201
+    try:
+        await a._list(IDENTITY_SELECTOR)
+        assert {p.server_id for p in a.peers()} == {name}
+        assert admin(sim, "DELETE", f"{LEASES}/{name}")[0] == 200
+        await a._list(IDENTITY_SELECTOR)
+        assert {p.server_id for p in a.peers()} == {name} and name in a._departed
+    finally:
+        await a.client.close()
+
+
+async def test_a_deleted_mvproxy_lease_drops_its_peer_at_once(sim, clean):
+    """An mvproxy deletes its Lease only when it leaves (README "Membership")."""
+    a = member(sim, "apiserver-a", 7001)
+    b = member(sim, "apiserver-b", 7002)
+    async with running(a, b):
+        await until(lambda: {p.server_id for p in a.peers()} == {"apiserver-b"},
+                    "a to see b")
+    assert await b.release()
+    await a._list(leasemembership.MVPROXY_SELECTOR)
+    assert a.peers() == () and not a._departed
+    await a.client.close()

@@ -88,6 +88,50 @@ async def test_an_idle_connection_is_closed(aiohttp_server, root):
         writer.close()
 
 
+def quiet_streams(routes_seen: list[str]):
+    """A watch and a ``logs -f`` that send a line, stay silent for four idle timeouts,
+    then send another and end: alive upstream, quiet downstream."""
+    from aiohttp import web
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        routes_seen.append(request.path)
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"first\n")
+        await asyncio.sleep(2.0)
+        await response.write(b"second\n")
+        return response
+
+    def routes(app: web.Application) -> None:
+        app.router.add_get("/api/v1/namespaces/default/secrets", stream)
+        app.router.add_get("/api/v1/namespaces/default/pods/p/log", stream)
+    return routes
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/default/secrets?watch=true",
+    "/api/v1/namespaces/default/pods/p/log?follow=true",
+], ids=["watch", "logs -f"])
+async def test_a_silent_stream_outlives_the_idle_timeout(aiohttp_server, root, target):
+    """idleTimeout (500 ms here) is for a connection between requests, never for a
+    long-running one whose upstream is alive but silent (2 s here): the stream's later
+    bytes arrive and it ends as the upstream ends it. Proven against real
+    kube-apiservers too (tests/test_real_faults.py, a 3 s timeout, watches silent 7 s)."""
+    seen: list[str] = []
+    async with cluster(aiohttp_server, root, listener=SHORT,
+                       backend_routes=quiet_streams(seen)) as c:
+        await ready(c)
+        reader, writer = await tls_connect(c)
+        try:
+            writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = await read_until_closed(reader)
+        finally:
+            writer.close()
+        assert status_of(answer) == 200 and seen, answer
+        body = answer.partition(b"\r\n\r\n")[2]
+        assert b"first" in body and b"second" in body, answer
+
+
 async def test_a_connection_that_never_starts_tls_is_closed(aiohttp_server, root):
     async with cluster(aiohttp_server, root, listener=SHORT) as c:
         await ready(c)

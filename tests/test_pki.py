@@ -606,3 +606,35 @@ def test_issued_client_certificate_names_the_user_and_chains_to_the_ca(tmp_path:
         issue_client_certificate(directory, "../x", "x")
     with pytest.raises(PKIError, match="cluster CA"):
         issue_client_certificate(tmp_path / "nothing", "x", "x")
+
+
+def test_a_rotated_front_proxy_client_pair_lives_as_long_as_asked(tmp_path: Path) -> None:
+    """For rotation and expiry tests against real servers: seconds, not days."""
+    from mvproxy.devpki import rotate_front_proxy_client
+
+    directory = tmp_path / "certs"
+    init_pki(directory, ["apiserver-a"])
+    crt = directory / "apiserver-a" / "front-proxy-client.crt"
+    key = directory / "apiserver-a" / "front-proxy-client.key"
+    before = load(crt)
+    cert = rotate_front_proxy_client(directory, "apiserver-a", lifetime=timedelta(seconds=20))
+    assert load(crt) == cert and cert.serial_number != before.serial_number
+    left = cert.not_valid_after_utc - datetime.now(timezone.utc)
+    assert timedelta(seconds=15) < left <= timedelta(seconds=20)
+    assert cert.not_valid_before_utc < datetime.now(timezone.utc)
+    assert cn(cert) == "front-proxy-client" and ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    cert.verify_directly_issued_by(load(directory / "front-proxy-ca.crt"))
+    private = serialization.load_pem_private_key(key.read_bytes(), None)
+    assert private.public_key().public_numbers() == cert.public_key().public_numbers()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert sorted(p.name for p in crt.parent.iterdir()) == sorted(
+        p.name for p in before_names(directory))  # nothing left aside
+    with pytest.raises(PKIError, match="no server"):
+        rotate_front_proxy_client(directory, "apiserver-z", lifetime=timedelta(seconds=5))
+    with pytest.raises(PKIError, match="positive"):
+        rotate_front_proxy_client(directory, "apiserver-a", lifetime=timedelta(0))
+
+
+def before_names(directory: Path) -> list[Path]:
+    return [directory / "apiserver-a" / f"{stem}.{ext}"
+            for stem in ("apiserver", "mvproxy", "front-proxy-client") for ext in ("crt", "key")]

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -493,6 +494,62 @@ def test_frozen_peer_gets_503_not_a_hang(cluster: DemoCluster) -> None:
     assert request(cluster, OLD, "GET", path).status == 200
 
 
+def test_frozen_backend_does_not_hold_requests_until_the_request_timeout(
+        cluster: DemoCluster) -> None:
+    """SIGSTOP on a member's own kube-apiserver: a request already on a pooled
+    connection to it, and a watch, used to wait for the request timeout (60 s: measured
+    60.5 s against a real frozen kube-apiserver), the watch forever. Now the backend's
+    polls time out (1 s here), its idle connections go, and once it is unreachable
+    (staleAfter, 3 s) what waits on it ends: well inside the client's 15 s."""
+    path = "/api/v1/namespaces/outage/configmaps"
+    assert request(cluster, OLD, "GET", path).status == 200  # a pooled connection exists
+    backend = cluster.server(OLD).backend
+    watch = _open_watch(cluster, OLD, path)
+    backend.freeze()
+    try:
+        started = time.monotonic()
+        answer = request(cluster, OLD, "GET", path)
+        assert answer.status == 200, answer  # served by a peer that serves it too
+        assert time.monotonic() - started < 10, answer
+        assert _watch_ended(watch, 10), "the watch on the frozen backend did not end"
+    finally:
+        watch.close()
+        backend.resume()
+        cluster.wait_converged()
+    assert request(cluster, OLD, "GET", path).status == 200
+
+
+def _open_watch(cluster: DemoCluster, sid: str, path: str):
+    """A watch through ``sid``'s mvproxy, its response head read (a raw connection)."""
+    import http.client
+
+    from e2e_support import tls_context
+
+    server = cluster.server(sid)
+    conn = http.client.HTTPSConnection(server.host, server.proxy_port, timeout=WAIT_TIMEOUT,
+                                       context=tls_context(cluster))
+    conn.request("GET", path + "?watch=true")
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    conn.response = response  # type: ignore[attr-defined]
+    return conn
+
+
+def _watch_ended(conn, timeout: float) -> bool:
+    """Whether the watch's stream ends (cleanly or cut) within ``timeout`` seconds."""
+    import http.client
+
+    conn.sock.settimeout(timeout)
+    try:
+        while conn.response.read1(65536):
+            pass
+    except TimeoutError:
+        return False
+    except (OSError, http.client.HTTPException):
+        pass
+    return True
+
+
 def test_sigterm_drains_and_exits_zero(cluster: DemoCluster, kubectl) -> None:
     """SIGTERM: mvproxy stops listening, ends open streams within its grace period and
     exits 0; a watch through it ends instead of hanging."""
@@ -566,3 +623,49 @@ def test_exec_through_a_peer_hop_keeps_the_identity(exec_cluster: DemoCluster,
              if uri_startswith(uri)(e)]
     assert local and all(e["responseStatus"]["code"] == 404 for e in local), local
     assert all("command=hi" in e["requestURI"] and e["peerProxied"] is None for e in local)
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+def test_a_backend_rolled_back_never_answers_404_for_what_its_peer_serves(
+        tmp_path: Path) -> None:
+    """Two 1.36 servers; the first one's kube-apiserver is rolled back to 1.35 (its
+    mvproxy keeps running). Its old snapshot lists PodGroups, which 1.35 lacks: between
+    the new backend's start and mvproxy's next poll, a request routed by that snapshot
+    got 1.35's 404 (nine of them against real 1.36.3 rolled back to 1.35.4). A backend
+    that failed a poll, or was found down by a request, is trusted again only by a
+    poll that succeeds, which also brings its new snapshot: the other 1.36 server takes
+    PodGroups meanwhile, and afterwards, as the only one serving them."""
+    import threading
+    from collections import Counter
+
+    path = f"{PODGROUPS}/namespaces/default/podgroups"
+    with start_cluster(tmp_path / "rollback", ["1.36", "1.36"], base_port=0) as c:
+        backend = c.server("apiserver-0").backend
+        assert request(c, "apiserver-0", "GET", path).status == 200
+        statuses: Counter[int] = Counter()
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                try:
+                    statuses[request(c, "apiserver-0", "GET", path, timeout=10).status] += 1
+                except AssertionError:
+                    statuses[0] += 1
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        try:
+            backend.stop()
+            backend.argv[backend.argv.index("--kubernetes-version") + 1] = "1.35"
+            backend.start()
+            backend.wait_ready(WAIT_TIMEOUT)
+            c.wait_converged(polled_since=time.monotonic())
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            prober.join(15)
+        assert not statuses[404] and statuses[200], statuses
+        assert set(statuses) <= {200, 503}, statuses

@@ -34,6 +34,7 @@ from mvproxy.routing import (
 SELF, B, C = "apiserver-a", "apiserver-b", "apiserver-c"
 STALE_AFTER, FORGET_AFTER = 15.0, 600.0
 UP, DOWN, UNPOLLED, NEVER = "up", "down", "unpolled", "never answered"
+FAILING = "failing"  # the backend only: its last poll failed, within staleAfter
 
 SCHED = "/apis/scheduling.k8s.io"
 PODGROUPS = f"{SCHED}/v1alpha2/namespaces/ns/podgroups"   # 1.36 only
@@ -77,11 +78,13 @@ class Clock:
         return self.now
 
 
-def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None, str]]
-              ) -> CacheView:
+def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None, str]],
+              backend: str = UP) -> CacheView:
     """A view as polling would leave it.
 
-    ``local`` None: the backend's first poll failed. Each peer is (snapshot, state):
+    ``local`` None: the backend's first poll failed; ``backend`` DOWN: it answered
+    once, then went silent past staleAfter; FAILING: its last poll failed, within
+    staleAfter (or a request found it down). Each peer is (snapshot, state):
     UP (polled, answered), DOWN (answered once, then silent past staleAfter: the
     snapshot is kept, the peer is unreachable), NEVER (polled, never answered), or
     UNPOLLED (no poll finished yet).
@@ -97,8 +100,12 @@ def make_view(local: Snapshot | None, peers: Mapping[str, tuple[Snapshot | None,
         if state in (UP, DOWN):
             cache.record_success(peer_id, snapshot)
     clock.now += STALE_AFTER + 1
-    if local is not None:
+    if local is not None and backend == DOWN:
+        cache.record_failure(SELF)
+    elif local is not None:
         cache.record_success(SELF, local)
+        if backend == FAILING:  # its last poll failed, a moment ago: still reachable
+            cache.record_failure(SELF, "connect: refused")
     for peer_id, (snapshot, state) in peers.items():
         if state == UP:
             cache.record_success(peer_id, snapshot)
@@ -121,6 +128,13 @@ VIEWS: dict[str, CacheView] = {
     "resize on peer, down": make_view(OLD_PODS, {B: (NEW_PODS, DOWN)}),
     "group on peer": make_view(OLD_PODS, {B: (WITH_WIDGETS, UP)}),
     "group on peer, down": make_view(OLD_PODS, {B: (WITH_WIDGETS, DOWN)}),
+    "backend down": make_view(V135, {B: (V136, UP)}, backend=DOWN),
+    "backend down, two peers": make_view(V135, {B: (V136, UP), C: (V136, DOWN)},
+                                         backend=DOWN),
+    "backend and peer down": make_view(V135, {B: (V136, DOWN)}, backend=DOWN),
+    "backend failing": make_view(V136, {B: (V135, UP)}, backend=FAILING),
+    "backend down, resize nowhere else": make_view(NEW_PODS, {B: (OLD_PODS, UP)},
+                                                   backend=DOWN),
 }
 
 
@@ -133,6 +147,8 @@ def test_views_are_what_their_names_say():
     assert never.synced and never.peers[B].snapshot is None
     assert not VIEWS["peer not polled yet"].synced
     assert VIEWS["backend never answered"].backend.snapshot is None
+    down = VIEWS["backend down"]
+    assert down.synced and not down.backend.reachable and down.backend.snapshot is V135
 
 
 # --------------------------------------------------------------------------- the table
@@ -195,6 +211,34 @@ TABLE = [
         "upgrade", "GET", "/apis/resource.k8s.io/v1beta2/devicetaintrules", PEER, [B]),
     row("a version only the backend still serves stays local", "upgrade", "GET",
         WORKLOADS_OLD, BACKEND, reason="served locally"),
+    # 4'. what the backend serves, while polling finds the backend unreachable
+    row("backend unreachable: what a peer serves too goes to that peer", "backend down",
+        "GET", "/api/v1/namespaces/ns/pods", PEER, [B], reason="backend failing"),
+    row("backend failing (last poll failed): what a peer serves too goes there",
+        "backend failing", "GET", "/api/v1/namespaces/ns/pods", PEER, [B],
+        reason="backend failing"),
+    row("backend failing after a rollback: what its old snapshot lists, no peer has: "
+        "the backend (its genuine answer)", "backend failing", "GET", PODGROUPS, BACKEND,
+        reason="served locally"),
+    row("backend unreachable: writes too", "backend down", "POST",
+        "/apis/apps/v1/namespaces/ns/deployments", PEER, [B], reason="backend failing"),
+    row("backend unreachable: only reachable peers", "backend down, two peers", "GET",
+        "/api/v1/namespaces/ns/configmaps", PEER, [B], reason="backend failing"),
+    row("backend unreachable: what only it serves stays local (its failure answers)",
+        "backend down", "GET", WORKLOADS_OLD, BACKEND, reason="served locally"),
+    row("backend unreachable: a subresource no peer serves stays local",
+        "backend down, resize nowhere else", "PATCH", "/api/v1/namespaces/ns/pods/p/resize",
+        BACKEND, reason="served locally"),
+    row("backend and peers unreachable: the backend (its failure answers)",
+        "backend and peer down", "GET", "/api/v1/namespaces/ns/pods", BACKEND,
+        reason="served locally"),
+    row("backend unreachable, no credentials: never a peer", "backend down", "GET",
+        "/api/v1/namespaces/ns/pods", BACKEND, credentials=False, reason="served locally"),
+    row("backend unreachable, peer-proxied: served here (its failure tells the peer)",
+        "backend down", "GET", "/api/v1/namespaces/ns/pods", BACKEND, peer_proxied=True,
+        reason="peer-proxied"),
+    row("backend unreachable: non-resource requests stay with the backend", "backend down",
+        "GET", "/version", BACKEND, reason="not an API request"),
     row("downgrade: old version only a peer still serves goes to it", "downgrade", "GET",
         WORKLOADS_OLD, PEER, [B]),
     row("watch via legacy /watch/ prefix is routed by its resource", "upgrade", "GET",

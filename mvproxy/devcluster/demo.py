@@ -275,11 +275,20 @@ class DemoCluster:
                 continue
             max_age = None if polled_since is None else asked - polled_since
             lacks = []
-            if server.backend.running and not _sees(state.get("backend"), max_age):
-                lacks.append("its backend")
-            peers = state.get("peers") or {}
-            lacks += [f"peer {p}" for p in sorted(up - {server.id})
-                      if not _sees(peers.get(p), max_age)]
+            # With ``workers`` > 1 the supervisor lists each worker's own view.
+            workers = state.get("workers")
+            views = ([w.get("state") if isinstance(w, dict) else None for w in workers]
+                     if isinstance(workers, list) else [state])
+            for index, view in enumerate(views):
+                where = f" (worker {index})" if isinstance(workers, list) else ""
+                if not isinstance(view, dict):
+                    lacks.append(f"a view{where}")
+                    continue
+                if server.backend.running and not _sees(view.get("backend"), max_age):
+                    lacks.append(f"its backend{where}")
+                peers = view.get("peers") or {}
+                lacks += [f"peer {p}{where}" for p in sorted(up - {server.id})
+                          if not _sees(peers.get(p), max_age)]
             if lacks:
                 missing[server.id] = lacks
         return missing
