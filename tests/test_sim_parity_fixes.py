@@ -418,3 +418,11 @@ def test_the_horizon_is_where_the_store_was_when_the_app_was_built(tmp_path):
         store.create(Key("", "configmaps", "default", "x"), configmap("x"))
         app = build_app(catalog=load_catalog("1.36"), store=store, server_id="a")
         assert app[SIM].resources.horizon == 1  # before its own namespaces were written
+
+
+def test_every_fix_the_report_lists_has_its_regression_test_here() -> None:
+    import realk8s_replay
+
+    names = {name for name in globals() if name.startswith("test_")}
+    missing = [test for _, test in realk8s_replay.FIXED if test not in names]
+    assert not missing, missing
