@@ -14,13 +14,12 @@ scripts/dev.py kube-binaries``) this skips, and fails under CI.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import realk8s_replay as replay
+from process_support import pid_alive
 from real_support import require_binaries
 
 VERSIONS = ("1.35.4", "1.36.3")
@@ -53,17 +52,6 @@ NOT_IDENTICAL = ("selectors/label bad syntax: 400", "selectors/label bad key: 40
                  "errors/400 kind differs from URL", "list/continue garbage")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, replay.VersionResult]]:
     root = require_binaries(VERSIONS)
@@ -74,9 +62,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, repl
         yield {release: replay.replay(real, sim, replay.namespace_for(release))
                for release, real, sim in env.pairs()}
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes left running"
+    assert not [p for p in pids if pid_alive(p)], "processes left running"
 
 
 def _describe(found: list[tuple[replay.StepResult, replay.Diff]]) -> str:
