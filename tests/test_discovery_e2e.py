@@ -151,13 +151,16 @@ def test_group_discovery_lists_the_peer_only_version_and_agrees_with_apis(k) -> 
 
 @pytest.mark.parametrize("path", ["/apis", f"/apis/{SCHEDULING}"])
 @pytest.mark.parametrize("accept", [KUBECTL_DISCOVERY_ACCEPT, LEGACY_ACCEPT])
-def test_anonymous_gets_the_backends_401_not_discovery(cluster: DemoCluster,
+def test_anonymous_gets_the_backends_403_not_discovery(cluster: DemoCluster,
                                                         accept: str, path: str) -> None:
+    """kube-apiserver (and so the simulator) takes no credentials as system:anonymous,
+    which RBAC refuses discovery with 403 naming only the path the client asked for."""
     answer = request(cluster, OLD, "GET", path, headers={"Accept": accept}, cert=None)
-    assert answer.status == 401, answer
+    assert answer.status == 403, answer
     doc = answer.json()
-    assert (doc["kind"], doc["reason"]) == ("Status", "Unauthorized")
-    assert b"podgroups" not in answer.body and b"scheduling" not in answer.body
+    assert (doc["kind"], doc["reason"]) == ("Status", "Forbidden")
+    assert doc["message"] == f'forbidden: User "system:anonymous" cannot get path "{path}"'
+    assert b"podgroups" not in answer.body and b"v1alpha2" not in answer.body
 
 
 @pytest.mark.parametrize("token", [None, "not-a-known-token"])
@@ -166,11 +169,13 @@ def test_unauthenticated_cannot_tell_a_merged_group_from_an_unknown_one(
     """A refusal for a group only the peer serves is the backend's own, the same as for
     a group nobody serves: whatever it accepts, the client learns nothing."""
     for accept in (LEGACY_ACCEPT, "text/html", "application/vnd.kubernetes.protobuf"):
+        paths = (f"/apis/{SCHEDULING}", "/apis/nothing.example.com")
         answers = [request(cluster, OLD, "GET", path, headers={"Accept": accept}, cert=None,
-                           token=token)
-                   for path in (f"/apis/{SCHEDULING}", "/apis/nothing.example.com")]
-        assert [a.status for a in answers] == [401, 401], answers
-        assert answers[0].body == answers[1].body
+                           token=token) for path in paths]
+        # No credentials: 403 naming the path asked for; an unknown token: 401.
+        assert [a.status for a in answers] == [401 if token else 403] * 2, answers
+        assert answers[0].body.replace(paths[0].encode(), b"PATH") == \
+            answers[1].body.replace(paths[1].encode(), b"PATH")
         assert sorted(answers[0].headers.keys()) == sorted(answers[1].headers.keys())
 
 

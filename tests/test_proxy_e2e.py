@@ -404,19 +404,26 @@ def _never_reached(cluster: DemoCluster, sid: str, path: str) -> None:
     assert not seen, seen
 
 
+def _refused_anonymously(answer) -> None:
+    """kube-apiserver's answer to system:anonymous for an API (served or not): 403."""
+    assert answer.status == 403 and answer.json()["reason"] == "Forbidden", answer
+
+
 def test_without_credentials_peer_only_apis_look_like_unknown_ones(cluster: DemoCluster) -> None:
     """Issue 19: an anonymous request for what only the 1.36 server serves was forwarded
-    to it (a slower 401: which group/version/resources peers serve, which merged
+    to it (a slower refusal: which group/version/resources peers serve, which merged
     discovery hides from anonymous clients). Now the 1.35 server's own backend answers
-    it, with exactly its answer for an API nobody serves, and the peer's kube-apiserver
-    never sees it; a token user still reaches the peer."""
-    expected = request(cluster, OLD, "GET", NOBODY_PATH, cert=None)
-    assert expected.status == 401 and expected.json()["kind"] == "Status", expected
+    it, exactly as it answers that request directly and as it refuses an API nobody
+    serves (a 403 naming what the client asked for), and the peer's kube-apiserver never
+    sees it; a token user still reaches the peer."""
+    _refused_anonymously(request(cluster, OLD, "GET", NOBODY_PATH, cert=None))
     for path in PEER_ONLY_PATHS:
+        expected = request(cluster, OLD, "GET", path, cert=None, direct=True)
+        _refused_anonymously(expected)
         for _ in range(3):  # a pooled connection lets the callback path answer too
             _same_answer(request(cluster, OLD, "GET", path, cert=None), expected)
         wait_for_audit(_audit(cluster, OLD), lambda e, p=path: e.get("requestURI") == p
-                       and e["responseStatus"]["code"] == 401 and e["peerProxied"] is None)
+                       and e["responseStatus"]["code"] == 403 and e["peerProxied"] is None)
         _never_reached(cluster, NEW, path)
     viewer = request(cluster, OLD, "GET", PEER_ONLY_PATHS[0], cert=None,
                      token=cluster.tokens["viewer-token"])
@@ -429,12 +436,14 @@ def test_without_credentials_an_unreachable_peer_is_no_503(cluster: DemoCluster)
     """The 503 "served only by peers that are unreachable" told an anonymous client what
     peers serve; it now gets the backend's answer for an unknown API, while a token
     user still gets the 503 (mvproxy cannot tell a valid token from a junk one)."""
-    expected = request(cluster, OLD, "GET", NOBODY_PATH, cert=None)
+    expected = {path: request(cluster, OLD, "GET", path, cert=None, direct=True)
+                for path in PEER_ONLY_PATHS}
     cluster.stop_server(NEW)
     try:
         wait_peer_unreachable(cluster, OLD, NEW)
         for path in PEER_ONLY_PATHS:
-            _same_answer(request(cluster, OLD, "GET", path, cert=None), expected)
+            _refused_anonymously(expected[path])
+            _same_answer(request(cluster, OLD, "GET", path, cert=None), expected[path])
         _assert_503(request(cluster, OLD, "GET", PEER_ONLY_PATHS[0], cert=None,
                             token=cluster.tokens["viewer-token"]))
     finally:

@@ -367,16 +367,22 @@ def test_unknown_token_is_unauthorized(k) -> None:
     assert "error: You must be logged in to the server (Unauthorized)" in done.stderr
 
 
-def test_no_credentials_is_unauthorized(cluster) -> None:
+def test_no_credentials_is_anonymous_and_forbidden(cluster) -> None:
     # kubectl itself refuses to send a request without credentials (it prompts for a
-    # username), so this is a plain HTTPS client that presents nothing.
+    # username), so this is a plain HTTPS client that presents nothing. As with
+    # kube-apiserver's default --anonymous-auth, that is system:anonymous, which RBAC
+    # refuses with 403 (an empty bearer token too); only a rejected credential is 401.
     anonymous = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
     for path in ("/api/v1/namespaces/default/configmaps", "/api", "/apis"):
         status, doc = cluster.api("GET", path, ssl_context=anonymous)
-        assert (status, doc.get("kind"), doc.get("reason")) == (401, "Status", "Unauthorized")
+        assert (status, doc.get("kind"), doc.get("reason")) == (403, "Status", "Forbidden")
+        assert 'User "system:anonymous" cannot' in doc["message"]
     status, doc = cluster.api("GET", "/api", ssl_context=anonymous,
                               headers={"Authorization": "Bearer "})
-    assert status == 401
+    assert (status, doc.get("reason")) == (403, "Forbidden")
+    status, doc = cluster.api("GET", "/api", ssl_context=anonymous,
+                              headers={"Authorization": "Bearer not-a-known-token"})
+    assert (status, doc.get("reason")) == (401, "Unauthorized")
 
 
 # --------------------------------------------------------------------------- mixed versions

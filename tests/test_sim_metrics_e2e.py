@@ -60,7 +60,10 @@ def test_simulator_limits_say_so_and_unknown_resources_keep_kubes_404(
     assert limit.status == 404
     assert "not supported by mvproxy's simulated kube-apiserver" in \
         json.loads(limit.body)["message"]
+    # An unknown group has no handler in kube-apiserver: Go's plain-text 404.
     unknown = request(cluster, OLD, "GET", "/apis/example.com/v1/widgets", direct=direct)
+    assert (unknown.status, unknown.body) == (404, b"404 page not found\n")
+    unknown = request(cluster, OLD, "GET", "/apis/apps/v1/widgets", direct=direct)
     assert unknown.status == 404
     assert json.loads(unknown.body)["message"] == \
         "the server could not find the requested resource"

@@ -122,7 +122,7 @@ async def test_badly_typed_metadata_is_422_invalid(client, metadata, message):
     doc = await call(client, "POST", CONFIGMAPS, {"metadata": metadata}, status=422)
     assert (doc["kind"], doc["code"], doc["reason"]) == ("Status", 422, "Invalid")
     assert doc["message"] == message
-    assert doc["details"]["kind"] == "configmaps"
+    assert doc["details"]["kind"] == "ConfigMap"  # kube names the kind here, not the resource
     assert (await call(client, "GET", CONFIGMAPS))["items"] == []
 
 

@@ -17,8 +17,12 @@ from mvproxy.kubestatus import status_body
 def status_response(code: int, message: str, *, reason: str | None = None,
                     details: dict[str, Any] | None = None,
                     headers: dict[str, str] | None = None) -> web.Response:
-    """An aiohttp response carrying a ``Status`` body with the matching HTTP code."""
+    """An aiohttp response carrying a ``Status`` body with the matching HTTP code;
+    ``details`` is sent whenever given, even empty (kube's ``errors`` package always
+    sets it; only its authentication failures carry none)."""
     body = status_body(code, message, reason=reason, details=details)
+    if details is not None:
+        body["details"] = details
     return json_response(code, body, headers)
 
 
@@ -64,6 +68,14 @@ def path_not_found() -> web.Response:
     return _generic(404, "the server could not find the requested resource")
 
 
+def page_not_found() -> web.Response:
+    """What kube-apiserver answers for a path no handler claims, an unknown API group
+    (``/apis/nope.example.com/...``) included: Go's plain-text 404, not a Status."""
+    return web.Response(status=404, body=b"404 page not found\n",
+                        headers={"Content-Type": "text/plain; charset=utf-8",
+                                 "X-Content-Type-Options": "nosniff"})
+
+
 SIM_LIMIT = "not supported by mvproxy's simulated kube-apiserver"
 
 
@@ -89,6 +101,20 @@ def conflict(group: str, resource: str, name: str, why: str) -> web.Response:
                            details=_details(group, resource, name))
 
 
+def precondition_conflict(group: str, kind: str, name: str, expected: str,
+                          actual: str) -> web.Response:
+    """A DELETE whose resourceVersion precondition fails: kube names the *kind* here."""
+    subject = f"{kind}.{group}" if group else kind
+    message = (f'Operation cannot be fulfilled on {subject} "{name}": the ResourceVersion in '
+               f"the precondition ({expected}) does not match the ResourceVersion in record "
+               f"({actual}). The object might have been modified")
+    details: dict[str, Any] = {"name": name}
+    if group:
+        details["group"] = group
+    details["kind"] = kind
+    return status_response(409, message, reason="Conflict", details=details)
+
+
 OBJECT_MODIFIED = ("the object has been modified; please apply your changes to the latest "
                    "version and try again")
 
@@ -97,21 +123,70 @@ def bad_request(message: str) -> web.Response:
     return status_response(400, message)
 
 
-def invalid(group: str, resource: str, kind: str, name: str, message: str) -> web.Response:
-    """422 Invalid, as admission/validation failures read: ``Pod "x" is invalid: ...``."""
-    return status_response(422, f'{kind} "{name}" is invalid: {message}',
-                           details=_details(group, resource, name))
+#: The prefix of a field error's text -> its cause reason (apimachinery's field.ErrorType).
+_CAUSE_REASONS = (("Invalid value", "FieldValueInvalid"), ("Required value", "FieldValueRequired"),
+                  ("Forbidden", "FieldValueForbidden"), ("Unsupported value",
+                                                         "FieldValueNotSupported"),
+                  ("Duplicate value", "FieldValueDuplicate"), ("Too long", "FieldValueTooLong"),
+                  ("Too many", "FieldValueTooMany"), ("Not found", "FieldValueNotFound"))
+
+
+def _cause(problem: str) -> dict[str, str]:
+    """``"spec.x: Invalid value: 3: must be ..."`` -> a StatusCause."""
+    field, _, body = problem.partition(": ")
+    reason = next((r for prefix, r in _CAUSE_REASONS if body.startswith(prefix)),
+                  "FieldValueInvalid")
+    return {"reason": reason, "message": body, "field": field}
+
+
+def invalid(group: str, kind: str, name: str, *problems: str) -> web.Response:
+    """422 Invalid as kube's ``errors.NewInvalid`` writes it: the message
+    ``Kind[.group] "name" is invalid: <field>: <what>`` (several in ``[...]``), details
+    naming the *kind* (not the resource) with one cause per problem. Each problem is
+    ``"<field path>: <what is wrong>"``, e.g. ``"metadata.name: Required value"``."""
+    subject = f"{kind}.{group}" if group else kind
+    listed = problems[0] if len(problems) == 1 else "[" + ", ".join(problems) + "]"
+    details: dict[str, Any] = {"name": name} if name else {}
+    if group:
+        details["group"] = group
+    details["kind"] = kind
+    details["causes"] = [_cause(p) for p in problems]
+    return status_response(422, f'{subject} "{name}" is invalid: {listed}', details=details)
 
 
 def method_not_allowed() -> web.Response:
     return _generic(405, "the server does not allow this method on the requested resource")
 
 
-def not_acceptable(accepted: str = "application/json") -> web.Response:
-    return status_response(406, f"only the following media types are accepted: {accepted}")
+#: What kube-apiserver lists in a 406 (it encodes all of these; the simulator JSON only).
+_REPRESENTATIONS = ("application/json, application/yaml, application/vnd.kubernetes.protobuf, "
+                    "application/json;stream=watch, "
+                    "application/vnd.kubernetes.protobuf;stream=watch")
 
 
-def unsupported_media_type(accepted: str = "application/json, application/yaml") -> web.Response:
+def not_acceptable() -> web.Response:
+    """kube-apiserver's 406 for an Accept it cannot satisfy, worded as its negotiation
+    layer does."""
+    return status_response(406, f"406: Not Acceptable\n\nAvailable representations: "
+                                f"{_REPRESENTATIONS}", details={})
+
+
+def discovery_not_acceptable() -> web.Response:
+    """The discovery handlers' own 406 (no details)."""
+    return status_response(406, "only the following media types are accepted: "
+                                "application/json, application/yaml, "
+                                "application/vnd.kubernetes.protobuf")
+
+
+def unsupported_media_type(
+        accepted: str = "application/json, application/yaml, application/vnd.kubernetes.protobuf"
+) -> web.Response:
+    """A request body in a Content-Type no decoder takes (kube: no details)."""
     return status_response(
         415, "the body of the request was in an unknown format - accepted media types "
              f"include: {accepted}")
+
+
+def unsupported_patch_type() -> web.Response:
+    """A PATCH whose Content-Type is no patch type: go-restful's bare 415."""
+    return status_response(415, "415: Unsupported Media Type", details={})

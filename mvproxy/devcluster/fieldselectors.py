@@ -124,19 +124,19 @@ def _unescape(value: str, text: str) -> str:
     for ch in value:
         if escaped:
             if ch not in "\\,=":
-                raise ValueError(f"invalid field selector: '{text}'; "
+                raise ValueError(f"invalid selector: '{text}'; "
                                  f"invalid escape sequence in value: '\\{ch}'")
             out.append(ch)
             escaped = False
         elif ch == "\\":
             escaped = True
         elif ch in ",=":
-            raise ValueError(f"invalid field selector: '{text}'; "
+            raise ValueError(f"invalid selector: '{text}'; "
                              f"unescaped '{ch}' in value: '{value}'")
         else:
             out.append(ch)
     if escaped:
-        raise ValueError(f"invalid field selector: '{text}'; trailing backslash in value")
+        raise ValueError(f"invalid selector: '{text}'; trailing backslash in value")
     return "".join(out)
 
 
@@ -145,7 +145,7 @@ def _split_term(term: str, text: str) -> tuple[str, bool, str]:
         at = term.find(op)
         if at > 0:
             return term[:at].strip(), op == "!=", _unescape(term[at + len(op):].strip(), text)
-    raise ValueError(f"invalid field selector: '{text}'; can't understand '{term}'")
+    raise ValueError(f"invalid selector: '{text}'; can't understand '{term}'")
 
 
 def parse(text: str, group: str = "", resource: str = "") -> Predicate:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["PatchError", "merge_patch", "json_patch", "strategic_merge_patch"]
+__all__ = ["PatchError", "PatchTestFailed", "merge_patch", "json_patch", "strategic_merge_patch"]
 
 _MISSING = object()
 # Merge keys of the list fields kubectl most often patches (containers, ports, env...).
@@ -25,6 +25,10 @@ _MERGE_KEYS = ("name", "containerPort", "mountPath", "devicePath", "type", "ip",
 
 class PatchError(ValueError):
     """The patch cannot be applied (bad syntax, failed ``test``, missing path)."""
+
+
+class PatchTestFailed(PatchError):
+    """A JSON patch ``test`` operation did not hold (kube answers it with a bare 422)."""
 
 
 # --- RFC 7386 ---------------------------------------------------------------------
@@ -136,7 +140,7 @@ def _operation(doc: Any, op: dict) -> Any:
         return _add(doc, path, copy.deepcopy(op["value"]))
     if kind == "test":
         if _get(doc, path) != op["value"]:
-            raise PatchError(f"test failed at {path!r}")
+            raise PatchTestFailed(f"test failed at {path!r}")
         return doc
     if kind in ("move", "copy"):
         source = op.get("from")

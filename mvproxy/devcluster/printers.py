@@ -132,7 +132,7 @@ def _pod_cells(pod: dict, age_of: Callable[[dict], str]) -> list[Any]:
         gates_text = f"{sum(1 for g in gates if g in true)}/{len(gates)}"
     else:
         gates_text = NONE
-    return [_name(pod), f"{ready}/{len(_containers(spec))}", _pod_status(pod), restarts,
+    return [_name(pod), f"{ready}/{len(_containers(spec))}", _pod_status(pod), str(restarts),
             age_of(pod), _or_none(_str(status.get("podIP"))),
             _or_none(_str(spec.get("nodeName"))),
             _or_none(_str(status.get("nominatedNodeName"))), gates_text]
@@ -148,12 +148,31 @@ POD = Printer([
     AGE_COL,
     col("IP", description="podIP address allocated to the pod. Routable at least within the "
                           "cluster. Empty if not yet allocated.", priority=1),
-    col("Node", description="NodeName indicates in which node this pod is scheduled.",
-        priority=1),
+    col("Node", description="NodeName indicates in which node this pod is scheduled. If "
+                            "empty, this pod is a candidate for scheduling by the scheduler "
+                            "defined in schedulerName. Once this field is set, the kubelet for "
+                            "this node becomes responsible for the lifecycle of this pod. This "
+                            "field should not be used to express a desire for the pod to be "
+                            "scheduled on a specific node. https://kubernetes.io/docs/concepts/"
+                            "scheduling-eviction/assign-pod-node/#nodename", priority=1),
     col("Nominated Node", description="nominatedNodeName is set only when this pod preempts "
-                                      "other pods on the node.", priority=1),
+                                      "other pods on the node, but it cannot be scheduled "
+                                      "right away as preemption victims receive their "
+                                      "graceful termination periods. This field does not "
+                                      "guarantee that the pod will be scheduled on this node. "
+                                      "Scheduler may decide to place the pod elsewhere if "
+                                      "other nodes become available sooner. Scheduler may "
+                                      "also decide to give the resources on this node to a "
+                                      "higher priority pod that is created after preemption. "
+                                      "As a result, this field may be different than "
+                                      "PodSpec.nodeName when the pod is scheduled.",
+        priority=1),
     col("Readiness Gates", description="If specified, all readiness gates will be evaluated "
-                                       "for pod readiness.", priority=1),
+                                       "for pod readiness. A pod is ready when all its "
+                                       "containers are ready AND all conditions specified in "
+                                       "the readiness gates have status equal to \"True\" More "
+                                       "info: https://git.k8s.io/enhancements/keps/sig-network/"
+                                       "580-pod-readiness-gates", priority=1),
 ], _pod_cells)
 
 
@@ -178,17 +197,38 @@ def _deployment_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
 DEPLOYMENT = Printer([
     NAME_COL,
     col("Ready", description="Number of the pod with ready state"),
-    col("Up-to-date", "integer", "Total number of non-terminating pods targeted by this "
-                                 "deployment that have the desired template spec."),
-    col("Available", "integer", "Total number of available non-terminating pods (ready for "
-                                "at least minReadySeconds) targeted by this deployment."),
+    # Typed "string" by kube although the cells are numbers (its printer says so).
+    col("Up-to-date", description="Total number of non-terminating pods targeted by this "
+                                  "deployment that have the desired template spec."),
+    col("Available", description="Total number of available non-terminating pods (ready for "
+                                 "at least minReadySeconds) targeted by this deployment."),
     AGE_COL,
     col("Containers", description=_CONTAINERS_DOC, priority=1),
     col("Images", description=_IMAGES_DOC, priority=1),
     col("Selector", description="Label selector for pods. Existing ReplicaSets whose pods are "
                                 "selected by this will be the ones affected by this "
-                                "deployment.", priority=1),
+                                "deployment. It must match the pod template's labels.",
+        priority=1),
 ], _deployment_cells)
+
+
+# --- statefulsets -------------------------------------------------------------------
+
+
+def _statefulset_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
+    spec, status = _dict(obj.get("spec")), _dict(obj.get("status"))
+    desired = _int(spec.get("replicas")) if "replicas" in spec else 1
+    return [_name(obj), f"{_int(status.get('readyReplicas'))}/{desired}", age_of(obj),
+            *_template_cells(spec)[:2]]
+
+
+STATEFULSET = Printer([
+    NAME_COL,
+    col("Ready", description="Number of the pod with ready state"),
+    AGE_COL,
+    col("Containers", description=_CONTAINERS_DOC, priority=1),
+    col("Images", description=_IMAGES_DOC, priority=1),
+], _statefulset_cells)
 
 
 # --- services -----------------------------------------------------------------------
@@ -224,17 +264,57 @@ def _service_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
             _service_ports(spec), age_of(obj), _selector_text(spec.get("selector"))]
 
 
+_SERVICE_TYPE_DOC = (
+    "type determines how the Service is exposed. Defaults to ClusterIP. Valid options are "
+    "ExternalName, ClusterIP, NodePort, and LoadBalancer. \"ClusterIP\" allocates a "
+    "cluster-internal IP address for load-balancing to endpoints. Endpoints are determined by "
+    "the selector or if that is not specified, by manual construction of an Endpoints object "
+    "or EndpointSlice objects. If clusterIP is \"None\", no virtual IP is allocated and the "
+    "endpoints are published as a set of endpoints rather than a virtual IP. \"NodePort\" "
+    "builds on ClusterIP and allocates a port on every node which routes to the same "
+    "endpoints as the clusterIP. \"LoadBalancer\" builds on NodePort and creates an external "
+    "load-balancer (if supported in the current cloud) which routes to the same endpoints as "
+    "the clusterIP. \"ExternalName\" aliases this service to the specified externalName. "
+    "Several other fields do not apply to ExternalName services. More info: "
+    "https://kubernetes.io/docs/concepts/services-networking/service/"
+    "#publishing-services-service-types")
+_CLUSTER_IP_DOC = (
+    "clusterIP is the IP address of the service and is usually assigned randomly. If an "
+    "address is specified manually, is in-range (as per system configuration), and is not in "
+    "use, it will be allocated to the service; otherwise creation of the service will fail. "
+    "This field may not be changed through updates unless the type field is also being "
+    "changed to ExternalName (which requires this field to be blank) or the type field is "
+    "being changed from ExternalName (in which case this field may optionally be specified, "
+    "as describe above).  Valid values are \"None\", empty string (\"\"), or a valid IP "
+    "address. Setting this to \"None\" makes a \"headless service\" (no virtual IP), which is "
+    "useful when direct endpoint connections are preferred and proxying is not required.  "
+    "Only applies to types ClusterIP, NodePort, and LoadBalancer. If this field is specified "
+    "when creating a Service of type ExternalName, creation will fail. This field will be "
+    "wiped when updating a Service to type ExternalName. More info: https://kubernetes.io/"
+    "docs/concepts/services-networking/service/#virtual-ips-and-service-proxies")
+
 SERVICE = Printer([
     NAME_COL,
-    col("Type", description="type determines how the Service is exposed."),
-    col("Cluster-IP", description="clusterIP is the IP address of the service and is usually "
-                                  "assigned randomly."),
+    col("Type", description=_SERVICE_TYPE_DOC),
+    col("Cluster-IP", description=_CLUSTER_IP_DOC),
     col("External-IP", description="externalIPs is a list of IP addresses for which nodes in "
-                                    "the cluster will also accept traffic for this service."),
-    col("Port(s)", description="The list of ports that are exposed by this service."),
+                                    "the cluster will also accept traffic for this service.  "
+                                    "These IPs are not managed by Kubernetes.  The user is "
+                                    "responsible for ensuring that traffic arrives at a node "
+                                    "with this IP.  A common example is external "
+                                    "load-balancers that are not part of the Kubernetes "
+                                    "system."),
+    col("Port(s)", description="The list of ports that are exposed by this service. More "
+                               "info: https://kubernetes.io/docs/concepts/services-networking/"
+                               "service/#virtual-ips-and-service-proxies"),
     AGE_COL,
     col("Selector", description="Route service traffic to pods with label keys and values "
-                                "matching this selector.", priority=1),
+                                "matching this selector. If empty or not present, the service "
+                                "is assumed to have an external process managing its "
+                                "endpoints, which Kubernetes will not modify. Only applies to "
+                                "types ClusterIP, NodePort, and LoadBalancer. Ignored if type "
+                                "is ExternalName. More info: https://kubernetes.io/docs/"
+                                "concepts/services-networking/service/", priority=1),
 ], _service_cells)
 
 
@@ -337,9 +417,45 @@ def _configmap_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
 CONFIGMAP = Printer([
     NAME_COL,
     col("Data", description="Data contains the configuration data. Each key must consist of "
-                            "alphanumeric characters, '-', '_' or '.'."),
+                            "alphanumeric characters, '-', '_' or '.'. Values with non-UTF-8 "
+                            "byte sequences must use the BinaryData field. The keys stored in "
+                            "Data must not overlap with the keys in the BinaryData field, this "
+                            "is enforced during validation process."),
     AGE_COL,
 ], _configmap_cells)
+
+
+def _secret_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
+    return [_name(obj), _str(obj.get("type")), len(_dict(obj.get("data"))), age_of(obj)]
+
+
+SECRET = Printer([
+    NAME_COL,
+    col("Type", description="Used to facilitate programmatic handling of secret data. More "
+                            "info: https://kubernetes.io/docs/concepts/configuration/secret/"
+                            "#secret-types"),
+    col("Data", description="Data contains the secret data. Each key must consist of "
+                            "alphanumeric characters, '-', '_' or '.'. The serialized form of "
+                            "the secret data is a base64 encoded string, representing the "
+                            "arbitrary (possibly non-string) data value here. Described in "
+                            "https://tools.ietf.org/html/rfc4648#section-4"),
+    AGE_COL,
+], _secret_cells)
+
+
+def _lease_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
+    holder = _str(_dict(obj.get("spec")).get("holderIdentity"))
+    return [_name(obj), holder, age_of(obj)]  # kube shows an empty holder as ""
+
+
+LEASE = Printer([
+    NAME_COL,
+    col("Holder", description="holderIdentity contains the identity of the holder of a "
+                              "current lease. If Coordinated Leader Election is used, the "
+                              "holder identity must be equal to the elected "
+                              "LeaseCandidate.metadata.name field."),
+    AGE_COL,
+], _lease_cells)
 
 
 def _namespace_cells(obj: dict, age_of: Callable[[dict], str]) -> list[Any]:
@@ -363,6 +479,9 @@ PRINTERS: dict[tuple[str, str], Printer] = {
     ("", "events"): EVENT,
     ("", "configmaps"): CONFIGMAP,
     ("", "namespaces"): NAMESPACE,
+    ("", "secrets"): SECRET,
+    ("apps", "statefulsets"): STATEFULSET,
+    ("coordination.k8s.io", "leases"): LEASE,
 }
 
 

@@ -7,8 +7,9 @@ identity rules here follow kube-apiserver's, in its order:
   bearer token): the first method that yields a user wins; if none does but one of
   them rejected a presented credential, the request is 401 (a bad token is never
   treated as anonymous); with no credential at all the request is anonymous;
-* anonymous requests may only read the public health/version endpoints
-  (``system:public-info-viewer``), everything else is 401;
+* a request without credentials is ``system:anonymous`` (kube-apiserver's default
+  ``--anonymous-auth=true``), which may only read the public health/version endpoints
+  (``system:public-info-viewer``): everything else is 403 Forbidden, as RBAC answers;
 * impersonation, then authorization (a tiny fixed policy standing in for RBAC);
 * one audit event per request at the ``Metadata`` level, in kube's JSON shape.
 
@@ -102,6 +103,9 @@ class UserInfo:
             return self
         return UserInfo(self.name, self.uid, (*self.groups, group), self.extra)
 
+
+#: kube-apiserver's refusals (authorization, impersonation) carry this header.
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 
 ANONYMOUS = UserInfo("system:anonymous", groups=(UNAUTHENTICATED,))
 
@@ -379,11 +383,11 @@ def forbidden_message(user: UserInfo, info: RequestInfo, verb: str) -> str:
 
 
 def _forbidden(user: UserInfo, info: RequestInfo, message: str) -> web.Response:
-    details = None
+    details: dict[str, str] = {}  # a path's refusal carries an empty one, as kube's
     if info.is_resource_request:
         details = {"name": info.name, "group": info.api_group, "kind": info.resource}
         details = {k: v for k, v in details.items() if v}
-    return status_response(403, message, details=details)
+    return status_response(403, message, details=details, headers=NOSNIFF)
 
 
 # --------------------------------------------------------------------------- impersonation
@@ -403,7 +407,8 @@ def _impersonation(request: web.Request, user: UserInfo) -> UserInfo | web.Respo
     if MASTERS not in user.groups:
         msg = (f'users "{name}" is forbidden: User "{user.name}" cannot impersonate '
                f'resource "users" in API group "" at the cluster scope')
-        return status_response(403, msg, details={"name": name, "kind": "users"})
+        return status_response(403, msg, details={"name": name, "kind": "users"},
+                               headers=NOSNIFF)
     target = UserInfo(name, uid, groups, extra)
     return target.with_group(UNAUTHENTICATED if name == ANONYMOUS.name else AUTHENTICATED)
 
@@ -576,9 +581,9 @@ def _gate(authenticator: Authenticator, request: web.Request,
     """Authenticate, impersonate, authorize; a response means the request stops here."""
     user, rejected = authenticator.authenticate_detail(request)
     if user is None:
-        if rejected or rec.info.path not in PUBLIC_PATHS:
+        if rejected:
             return status_response(401, "Unauthorized")
-        user = ANONYMOUS
+        user = ANONYMOUS  # then authorized like anyone: 403 beyond the public paths
     rec.user = user
     target = _impersonation(request, user)
     if isinstance(target, web.Response):

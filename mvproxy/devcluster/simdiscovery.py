@@ -42,13 +42,29 @@ class Document:
         return cls(body, aggregated_content_type(version), etag)
 
 
+#: The first release that no longer serves aggregated discovery ``v2beta1`` (its
+#: feature gate AggregatedDiscoveryRemoveBetaType is on by default from 1.33); measured
+#: against kube-apiserver 1.35.4 and 1.36.3, which answer such a request with 406.
+V2BETA1_REMOVED = (1, 33)
+
+
+def aggregated_versions(catalog: Catalog) -> tuple[str, ...]:
+    """The aggregated discovery versions this release serves, best first."""
+    release = tuple(int(p) for p in catalog.kubernetes_version.split(".")[:2])
+    return ("v2",) if release >= V2BETA1_REMOVED else ("v2", "v2beta1")
+
+
 class Discovery:
     """Pre-rendered discovery documents of one catalog, keyed by path."""
 
     def __init__(self, catalog: Catalog, server_address: str) -> None:
         self.aggregated: dict[tuple[str, str], Document] = {}
+        versions = aggregated_versions(catalog)
+        self.conversions = {key: chosen for key, chosen in DISCOVERY_CONVERSIONS.items()
+                            if chosen.version in versions}
+        self.groups = frozenset(g.name for g in catalog.groups)
         for prefix, core in (("api", True), ("apis", False)):
-            for version in ("v2", "v2beta1"):
+            for version in versions:
                 doc = discoverydocs.aggregated(
                     catalog, core=core, api_version=f"apidiscovery.k8s.io/{version}")
                 self.aggregated[(prefix, version)] = Document.aggregated(doc, version)
@@ -67,11 +83,13 @@ class Discovery:
     def handle(self, request: web.Request, info: RequestInfo) -> web.StreamResponse:
         """Serve ``/api``, ``/apis`` and the per-group/version legacy documents."""
         path = "/" + "/".join(p for p in (info.api_prefix, info.api_group, info.api_version) if p)
+        if info.api_prefix == "apis" and info.api_group and info.api_group not in self.groups:
+            return apistatus.page_not_found()  # no handler for the group at all
         top_level = path in ("/api", "/apis")
-        conversions = DISCOVERY_CONVERSIONS if top_level else {}
+        conversions = self.conversions if top_level else {}
         chosen = negotiate(request.headers.get("Accept"), conversions)
         if chosen is None:
-            return apistatus.not_acceptable()
+            return apistatus.discovery_not_acceptable()
         if chosen.kind:
             return _send(request, self.aggregated[(info.api_prefix, chosen.version)])
         doc = self.legacy.get(path)
@@ -105,7 +123,8 @@ def version_info(catalog: Catalog) -> bytes:
 
 def health(request: web.Request) -> web.Response:
     """``/healthz``, ``/livez``, ``/readyz`` and their per-check paths: always healthy."""
+    nosniff = {"X-Content-Type-Options": "nosniff"}  # as kube's health handlers send
     if "verbose" in request.query:
         check = request.path.strip("/").split("/")[0]
-        return web.Response(text=f"[+]ping ok\n{check} check passed\n")
-    return web.Response(text="ok")
+        return web.Response(text=f"[+]ping ok\n{check} check passed\n", headers=nosniff)
+    return web.Response(text="ok", headers=nosniff)

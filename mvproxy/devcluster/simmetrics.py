@@ -16,7 +16,6 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -34,6 +33,10 @@ _LABELS = ("verb", "dry_run", "group", "version", "resource", "subresource", "sc
            "component", "code")
 
 disable_created_metrics()
+
+#: What kube-apiserver labels its text exposition with (component-base's legacy
+#: registry); the body is the same text format prometheus_client writes.
+KUBE_METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8; escaping=underscores"
 
 
 def _scope(info: RequestInfo) -> str:
@@ -111,4 +114,4 @@ class SimMetrics:
 
     def handle(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=body, headers={"Content-Type": KUBE_METRICS_CONTENT_TYPE})

@@ -9,6 +9,7 @@ stored object, as in etcd).
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import secrets
@@ -90,6 +91,8 @@ class Target:
 def resolve(catalog: Catalog, info: RequestInfo) -> Target:
     """The catalog entry a URL names; RequestError with kube's 404/405 otherwise."""
     entry = catalog.resource(info.api_group, info.api_version, info.resource)
+    if entry is None and info.api_group and catalog.group(info.api_group) is None:
+        raise RequestError(apistatus.page_not_found())  # no handler for the group at all
     if entry is None or len(info.parts) > 3:
         raise RequestError(apistatus.path_not_found())
     sub = entry.subresource(info.subresource) if info.subresource else None
@@ -203,10 +206,77 @@ def check_metadata(t: Target, body: dict, kind: str) -> None:
                     problems.append(f"metadata.{key}[{k}]: Invalid value: {_shown(v)}: "
                                     "must be of type string")
     if not problems:
+        problems = [*_label_problems(meta.get("labels")), *_data_key_problems(t, body)]
+    if not problems:
         return
     name = meta.get("name") if isinstance(meta.get("name"), str) else t.path_name
-    message = problems[0] if len(problems) == 1 else "[" + ", ".join(problems) + "]"
-    raise RequestError(apistatus.invalid(t.group, t.resource, kind, name or "", message))
+    raise RequestError(apistatus.invalid(t.group, kind, name or "", *problems))
+
+
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_LABEL_VALUE_HELP = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' "
+    "or '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or "
+    "'my_value',  or '12345', regex used for validation is "
+    "'(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')")
+_NAME_PART_HELP = (
+    "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and "
+    "end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex "
+    "used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')")
+_CONFIG_KEY_HELP = (
+    "a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. "
+    "'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is "
+    "'[-._a-zA-Z0-9]+')")
+
+
+def _label_problems(labels: object) -> list[str]:
+    """kube's label checks: each key a qualified name, each value at most 63 bytes of
+    the label alphabet; reported on ``metadata.labels`` as kube does."""
+    if not isinstance(labels, dict):
+        return []
+    problems = []
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if len(name) > 63:
+            problems.append(f"metadata.labels: Invalid value: {_shown(key)}: name part must "
+                            "be no more than 63 bytes")
+        elif not _QUALIFIED_NAME.fullmatch(name):
+            problems.append(f"metadata.labels: Invalid value: {_shown(key)}: {_NAME_PART_HELP}")
+        elif prefix and (len(prefix) > 253 or not _SUBDOMAIN.fullmatch(prefix)):
+            problems.append(f"metadata.labels: Invalid value: {_shown(key)}: prefix part "
+                            f"{_SUBDOMAIN_HELP}")
+        if len(value.encode()) > 63:
+            problems.append(f"metadata.labels: Invalid value: {_shown(value)}: must be no more "
+                            "than 63 bytes")
+        elif not _LABEL_VALUE.fullmatch(value):
+            problems.append(f"metadata.labels: Invalid value: {_shown(value)}: "
+                            f"{_LABEL_VALUE_HELP}")
+    return problems
+
+
+def _data_key_problems(t: Target, body: dict) -> list[str]:
+    """ConfigMap and Secret keys: kube's config-key alphabet, at most 253 characters."""
+    if t.group != "" or t.resource not in ("configmaps", "secrets") or t.sub is not None:
+        return []
+    fields = ("data", "binaryData") if t.resource == "configmaps" else ("data", "stringData")
+    problems = []
+    for where in fields:
+        section = body.get(where)
+        if not isinstance(section, dict):
+            continue
+        for key in section:
+            if not isinstance(key, str):
+                continue
+            if len(key) > 253:
+                problems.append(f"{where}[{key}]: Invalid value: {_shown(key)}: must be no "
+                                "more than 253 characters")
+            elif not _CONFIG_KEY.fullmatch(key) or key in (".", ".."):
+                detail = (_CONFIG_KEY_HELP if key not in (".", "..")
+                          else f"must not be '{key}'")
+                problems.append(f"{where}[{key}]: Invalid value: {_shown(key)}: {detail}")
+    return problems
 
 
 def check_url_name(t: Target, obj: dict) -> None:
@@ -241,14 +311,13 @@ def name_for_create(t: Target, obj: dict) -> str:
         name = meta["generateName"] + "".join(secrets.choice(alphabet) for _ in range(5))
     if not name:
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, t.entry.kind, "",
+            t.group, t.entry.kind, "",
             "metadata.name: Required value: name or generateName is required"))
     label = t.resource == "namespaces"
     pattern, help_text = (_LABEL, _LABEL_HELP) if label else (_SUBDOMAIN, _SUBDOMAIN_HELP)
     if len(name) > (63 if label else 253) or not pattern.fullmatch(name):
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, t.entry.kind, name,
-            f'metadata.name: Invalid value: "{name}": {help_text}'))
+            t.group, t.entry.kind, name, f'metadata.name: Invalid value: "{name}": {help_text}'))
     meta["name"] = name
     return name
 
@@ -263,6 +332,7 @@ def apply_defaults(t: Target, obj: dict) -> None:
             "PodScheduled", "Initialized", "ContainersReady", "Ready")])
     elif t.group == "" and t.resource == "secrets":
         obj["type"] = obj.get("type") or "Opaque"
+        fold_string_data(obj)
     elif t.group == "" and t.resource == "namespaces":
         name = obj["metadata"]["name"]
         obj["metadata"].setdefault("labels", {})["kubernetes.io/metadata.name"] = name
@@ -270,13 +340,111 @@ def apply_defaults(t: Target, obj: dict) -> None:
         obj.setdefault("status", {}).setdefault("phase", "Active")
 
 
+def fold_string_data(secret: dict) -> None:
+    """A Secret's write-only ``stringData`` merged into ``data`` (base64), as kube does
+    on every write; it is never stored or shown."""
+    strings = secret.pop("stringData", None)
+    if not isinstance(strings, dict) or not strings:
+        return
+    current = secret.get("data")
+    data: dict = current if isinstance(current, dict) else {}
+    for key, value in strings.items():
+        if isinstance(key, str) and isinstance(value, str):
+            data[key] = base64.b64encode(value.encode()).decode()
+    secret["data"] = data
+
+
 # --- responses ---------------------------------------------------------------------
 
 
+#: Resources whose objects carry ``metadata.generation`` (their registry strategies set
+#: it), measured on kube-apiserver 1.36.3 (with the admission and webhook
+#: configurations and flow-control levels that share those strategies' code).
+GENERATION_TRACKED = frozenset((
+    ("", "pods"), ("", "podtemplates"), ("", "replicationcontrollers"),
+    ("apps", "deployments"), ("apps", "replicasets"), ("apps", "statefulsets"),
+    ("apps", "daemonsets"), ("batch", "jobs"), ("batch", "cronjobs"),
+    ("networking.k8s.io", "networkpolicies"), ("networking.k8s.io", "ingresses"),
+    ("policy", "poddisruptionbudgets"), ("discovery.k8s.io", "endpointslices"),
+    ("scheduling.k8s.io", "priorityclasses"),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations"),
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"),
+    ("admissionregistration.k8s.io", "validatingadmissionpolicies"),
+    ("admissionregistration.k8s.io", "validatingadmissionpolicybindings"),
+    ("admissionregistration.k8s.io", "mutatingadmissionpolicies"),
+    ("admissionregistration.k8s.io", "mutatingadmissionpolicybindings"),
+    ("flowcontrol.apiserver.k8s.io", "flowschemas"),
+    ("flowcontrol.apiserver.k8s.io", "prioritylevelconfigurations"),
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+))
+#: Measured without it (1.36.3): data and identity objects, and a few with a status.
+GENERATION_UNTRACKED = frozenset((
+    ("", "configmaps"), ("", "secrets"), ("", "serviceaccounts"), ("", "services"),
+    ("", "endpoints"), ("", "events"), ("", "limitranges"), ("", "resourcequotas"),
+    ("", "persistentvolumeclaims"), ("", "persistentvolumes"), ("", "namespaces"),
+    ("", "nodes"), ("coordination.k8s.io", "leases"), ("events.k8s.io", "events"),
+    ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings"),
+    ("rbac.authorization.k8s.io", "clusterroles"),
+    ("rbac.authorization.k8s.io", "clusterrolebindings"),
+    ("storage.k8s.io", "storageclasses"), ("node.k8s.io", "runtimeclasses"),
+    ("autoscaling", "horizontalpodautoscalers"),
+))
+
+
+def tracks_generation(t: Target) -> bool:
+    """Whether kube sets ``metadata.generation`` on this resource's objects: as measured,
+    else (for kinds not measured) whether it has a spec/status split."""
+    key = (t.group, t.resource)
+    if key in GENERATION_TRACKED:
+        return True
+    if key in GENERATION_UNTRACKED:
+        return False
+    return t.entry.subresource("status") is not None
+
+
 def present(t: Target, obj: dict) -> dict:
-    """The object as the URL's version shows it: kind and apiVersion first, as kube."""
+    """The object as the URL's version shows it: kind and apiVersion first, as kube;
+    ``metadata.generation`` only where kube keeps one (the store counts it for all)."""
     rest = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+    meta = rest.get("metadata")
+    if isinstance(meta, dict) and "generation" in meta and not tracks_generation(t):
+        rest["metadata"] = {k: v for k, v in meta.items() if k != "generation"}
     return {"kind": t.entry.kind, "apiVersion": t.api_version, **rest}
+
+
+def present_item(t: Target, obj: dict) -> dict:
+    """An object as an item of a list: kube writes no kind or apiVersion there (the list
+    carries them)."""
+    shown = present(t, obj)
+    del shown["kind"], shown["apiVersion"]
+    return shown
+
+
+#: Resources whose DELETE answers with the object (their registry returns the deleted
+#: object, or it lingers with a finalizer or grace period), measured on 1.36.3; every
+#: other resource answers with a Success Status naming it.
+RETURNS_DELETED_OBJECT = frozenset((
+    ("", "pods"), ("", "services"), ("", "serviceaccounts"), ("", "resourcequotas"),
+    ("", "persistentvolumeclaims"), ("", "persistentvolumes"), ("", "podtemplates"),
+    ("", "replicationcontrollers"), ("", "namespaces"), ("batch", "jobs"),
+    ("storage.k8s.io", "storageclasses"), ("apiextensions.k8s.io", "customresourcedefinitions"),
+))
+
+
+def deleted_answer(t: Target, obj: dict) -> dict:
+    """What a DELETE of ``obj`` answers: the object for the resources above, else kube's
+    ``Status`` ``Success`` with the object's name, group, resource and uid."""
+    if (t.group, t.resource) in RETURNS_DELETED_OBJECT:
+        return present(t, obj)
+    meta = obj.get("metadata") or {}
+    details: dict = {"name": meta.get("name", t.path_name)}
+    if t.group:
+        details["group"] = t.group
+    details["kind"] = t.resource
+    if meta.get("uid"):
+        details["uid"] = meta["uid"]
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+            "details": details}
 
 
 def json_response(doc: object, status: int = 200) -> web.Response:
@@ -289,11 +457,77 @@ def success_status(code: int = 200) -> dict:
             "code": code}
 
 
+_RV_MATCHES = ("Exact", "NotOlderThan")
+
+
+def _list_options_invalid(*problems: str) -> RequestError:
+    return RequestError(apistatus.invalid("meta.k8s.io", "ListOptions", "", *problems))
+
+
+def check_list_options(request: web.Request, *, watch: bool) -> int | None:
+    """kube's checks of a list or watch's resourceVersion options, in its order: 422 for
+    combinations ListOptions validation forbids, 400 for a resourceVersion that is not a
+    number. Returns the resourceVersion as a number (None when unset)."""
+    q = request.query
+    rv, match = q.get("resourceVersion", ""), q.get("resourceVersionMatch", "")
+    initial = q.get("sendInitialEvents")
+    if match:
+        if match not in _RV_MATCHES:
+            raise _list_options_invalid(
+                f'resourceVersionMatch: Unsupported value: "{match}": supported values: '
+                + ", ".join(f'"{m}"' for m in _RV_MATCHES))
+        if watch and initial is None:
+            raise _list_options_invalid("resourceVersionMatch: Forbidden: "
+                                        "resourceVersionMatch is forbidden for watch unless "
+                                        "sendInitialEvents is provided")
+        if not rv and not (watch and initial is not None):
+            raise _list_options_invalid("resourceVersionMatch: Forbidden: "
+                                        "resourceVersionMatch is forbidden unless "
+                                        "resourceVersion is provided")
+        if match == "Exact" and rv == "0":
+            raise _list_options_invalid('resourceVersionMatch: Forbidden: '
+                                        'resourceVersionMatch "exact" is forbidden for '
+                                        'resourceVersion "0"')
+    if initial is not None:
+        if not watch:
+            raise _list_options_invalid("sendInitialEvents: Forbidden: sendInitialEvents is "
+                                        "forbidden for list")
+        if match != "NotOlderThan":
+            raise _list_options_invalid("resourceVersionMatch: Forbidden: sendInitialEvents "
+                                        "requires setting resourceVersionMatch to "
+                                        "NotOlderThan")
+    if not rv:
+        return None
+    if not rv.isdigit():
+        raise RequestError(apistatus.bad_request(
+            f'invalid resource version: resourceVersion: Invalid value: "{rv}": '
+            f'strconv.ParseUint: parsing "{rv}": invalid syntax'))
+    return int(rv)
+
+
+def too_large_resource_version(wanted: int, current: int) -> web.Response:
+    """kube's answer when a list asks for a resourceVersion newer than its store has
+    reached, after waiting (its watch cache waits 3 s): 504 with a retry hint."""
+    return apistatus.status_response(
+        504, f"Timeout: Too large resource version: {wanted}, current: {current}",
+        reason="Timeout",
+        details={"causes": [{"reason": "ResourceVersionTooLarge",
+                             "message": "Too large resource version"}],
+                 "retryAfterSeconds": 1},
+        headers={"Retry-After": "1"})
+
+
 def dry_run(request: web.Request) -> bool:
-    """``dryRun=All``: validate, answer, store nothing. Other values are a 400, as in kube."""
+    """``dryRun=All``: validate, answer, store nothing. Other values are a 422, as in kube."""
     values = request.query.getall("dryRun", [])
-    for value in values:
-        if value != "All":
-            raise RequestError(apistatus.bad_request(
-                f'dryRun: Unsupported value: "{value}": supported values: "All"'))
+    if any(value != "All" for value in values):
+        options = _OPTIONS_KINDS.get(request.method, "CreateOptions")
+        raise RequestError(apistatus.invalid(
+            "meta.k8s.io", options, "", f"dryRun: Unsupported value: {_shown(values)}: "
+                                        'supported values: "All"'))
     return bool(values)
+
+
+#: The options object kube validates a write's query against, by method.
+_OPTIONS_KINDS = {"POST": "CreateOptions", "PUT": "UpdateOptions", "PATCH": "PatchOptions",
+                  "DELETE": "DeleteOptions"}

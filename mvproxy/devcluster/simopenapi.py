@@ -104,6 +104,7 @@ class OpenAPI:
 
     def __init__(self, catalog: Catalog) -> None:
         self.documents: dict[str, bytes] = {}
+        self.etags: dict[str, str] = {}
         index: dict[str, dict] = {}
         schemas = release_schemas(catalog.kubernetes_version)
         for group in catalog.groups:
@@ -113,12 +114,18 @@ class OpenAPI:
                 body = dump(_document(catalog, group, version, schemas))
                 digest = hashlib.sha512(body).hexdigest()[:32].upper()
                 self.documents[key] = body
+                self.etags[key] = f'"{digest}"'
                 index[key] = {"serverRelativeURL": f"{PREFIX}/{key}?hash={digest}"}
         self.index = dump({"paths": index})
 
     def handle(self, request: web.Request) -> web.Response:
         rest = request.path[len(PREFIX):].strip("/")
-        body = self.index if not rest else self.documents.get(rest)
+        if not rest:
+            # kube-openapi labels the index as text (clients parse it as JSON anyway).
+            return web.Response(body=self.index,
+                                headers={"Content-Type": "text/plain; charset=utf-8"})
+        body = self.documents.get(rest)
         if body is None:
             return apistatus.path_not_found()
-        return web.Response(body=body, headers={"Content-Type": "application/json"})
+        return web.Response(body=body, headers={"Content-Type": "application/json",
+                                                "ETag": self.etags[rest]})

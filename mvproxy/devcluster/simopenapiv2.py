@@ -13,6 +13,7 @@ is answered to a client that does not ask for protobuf, as kube does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -188,15 +189,19 @@ class OpenAPIV2:
         self._catalog = catalog
         self._json: bytes | None = None
         self._protobuf: bytes | None = None
+        self._etag = ""
 
     def _render(self) -> None:
         doc = document(self._catalog)
         self._json = dump(doc)
         self._protobuf = encode_document(doc)
+        # kube serves the document with a strong ETag of its content
+        self._etag = '"' + hashlib.sha512(self._json).hexdigest()[:32].upper() + '"'
 
     def handle(self, request: web.Request) -> web.Response:
         if self._json is None:
             self._render()
         if wants_protobuf(request.headers.get("Accept", "")):
             return web.Response(body=self._protobuf, headers={"Content-Type": PROTOBUF_ANSWER})
-        return web.Response(body=self._json, headers={"Content-Type": "application/json"})
+        return web.Response(body=self._json, headers={"Content-Type": "application/json",
+                                                      "ETag": self._etag})

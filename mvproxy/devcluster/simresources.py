@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from aiohttp import web
@@ -25,16 +27,21 @@ from .simobjects import (
     RequestError,
     Target,
     apply_defaults,
+    check_list_options,
     check_namespace,
     check_object,
     check_url_name,
+    deleted_answer,
     dry_run,
+    fold_string_data,
     json_response,
     name_for_create,
     present,
+    present_item,
     read_body,
     resolve,
     success_status,
+    too_large_resource_version,
 )
 from .store import AlreadyExists, Conflict, Key, NotFound, Store
 
@@ -47,6 +54,10 @@ _PATCHERS: dict[str, Callable[[Any, Any], Any]] = {
 }
 _PATCH_RETRIES = 5
 _SCALE_VERSION = "autoscaling/v1"
+#: How long a list asking for a resourceVersion the store has not reached yet waits for
+#: it (kube's watch cache: 3 s), and how often it looks.
+_FRESHNESS_WAIT = 3.0
+_FRESHNESS_POLL = 0.05
 
 
 class ResourceAPI:
@@ -56,6 +67,8 @@ class ResourceAPI:
         self.catalog = catalog
         self.store = store
         self.bookmark_interval = bookmark_interval
+        # Where this server's watch history begins (a watch from before is 410).
+        self.horizon = store.current_resource_version()
 
     async def handle(self, request: web.Request, info: RequestInfo) -> web.StreamResponse:
         try:
@@ -100,6 +113,11 @@ class ResourceAPI:
         if chosen is None:
             return apistatus.not_acceptable()
         q = request.query
+        wanted = check_list_options(request, watch=False)
+        if wanted and q.get("resourceVersionMatch", "NotOlderThan") == "NotOlderThan":
+            current = await self._fresh_enough(wanted)
+            if current < wanted:
+                return too_large_resource_version(wanted, current)
         try:
             limit = max(int(q.get("limit") or 0), 0)
             items, rv, token = await self._run(
@@ -110,9 +128,10 @@ class ResourceAPI:
         except ValueError as exc:
             return apistatus.bad_request(str(exc))
         meta = {"resourceVersion": rv, **({"continue": token} if token else {})}
-        shown = [present(t, o) for o in items]
         if chosen.kind == "Table":
-            return json_response(_table(request, t, shown, meta, chosen))
+            return json_response(_table(request, t, [present(t, o) for o in items], meta,
+                                        chosen))
+        shown = [present_item(t, o) for o in items]
         if chosen.kind == "PartialObjectMetadataList":
             return json_response({
                 "kind": "PartialObjectMetadataList",
@@ -121,8 +140,19 @@ class ResourceAPI:
         return json_response({"kind": t.entry.kind + "List", "apiVersion": t.api_version,
                               "metadata": meta, "items": shown})
 
+    async def _fresh_enough(self, wanted: int) -> int:
+        """The store's resourceVersion once it reaches ``wanted``, or after waiting
+        ``_FRESHNESS_WAIT`` (other servers sharing the store may be about to write)."""
+        deadline = asyncio.get_running_loop().time() + _FRESHNESS_WAIT
+        while True:
+            current = await self._run(self.store.current_resource_version)
+            if current >= wanted or asyncio.get_running_loop().time() >= deadline:
+                return current
+            await asyncio.sleep(_FRESHNESS_POLL)
+
     async def _watch(self, request: web.Request, t: Target) -> web.StreamResponse:
-        return await simwatch.serve(request, t, self.store, self.bookmark_interval)
+        return await simwatch.serve(request, t, self.store, self.bookmark_interval,
+                                    self.horizon)
 
     # --- writes -----------------------------------------------------------------
 
@@ -139,6 +169,8 @@ class ResourceAPI:
         if t.entry.namespaced:
             await self._require_namespace(t)
         if dry_run(request):
+            # Filled in as a real create would, though nothing is stored.
+            obj["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
             return json_response(present(t, obj), 201)
         try:
             created = await self._run(self.store.create, t.key(name), obj)
@@ -173,6 +205,8 @@ class ResourceAPI:
                             bump_generation: bool = True, show: Callable | None = None
                             ) -> web.Response:
         show = show or (lambda o: present(t, o))
+        if t.group == "" and t.resource == "secrets" and t.sub is None:
+            fold_string_data(obj)
         if dry_run(request):
             return json_response(show(obj))
         try:
@@ -201,7 +235,7 @@ class ResourceAPI:
         ctype = request.content_type
         patcher = _PATCHERS.get(ctype)
         if patcher is None:
-            return apistatus.unsupported_media_type(", ".join(_PATCHERS))
+            return apistatus.unsupported_patch_type()
         patch = await read_body(request)
         for _ in range(_PATCH_RETRIES):
             try:
@@ -212,6 +246,10 @@ class ResourceAPI:
                 return t.error_not_found(t.path_name)
             try:
                 patched = patcher(view(t, current), patch)
+            except patching.PatchTestFailed:
+                return apistatus.status_response(
+                    422, "the server rejected our request due to an error in our request",
+                    reason="Invalid", details={})
             except patching.PatchError as exc:
                 return apistatus.status_response(422, str(exc), reason="Invalid")
             pinned = _pinned_rv(patch)
@@ -235,20 +273,23 @@ class ResourceAPI:
         options = await read_body(request) if request.can_read_body else None
         expected = _precondition_rv(options)
         if dry_run(request) or _options_dry_run(options):
-            return json_response(present(t, await self._load(t, t.path_name)))
+            return json_response(deleted_answer(t, await self._load(t, t.path_name)))
         try:
             deleted = await self._run(self.store.delete, t.key(t.path_name),
                                       expected_resource_version=expected)
         except NotFound:
             return t.error_not_found(t.path_name)
         except Conflict as exc:
-            return apistatus.conflict(t.group, t.resource, t.path_name, f"Precondition "
-                                      f"failed: {exc}")
+            return apistatus.precondition_conflict(t.group, t.entry.kind, t.path_name,
+                                                   expected, exc.actual)
         if t.group == "" and t.resource == "namespaces":
             # Deleting a namespace deletes what is in it (kube does it asynchronously),
             # including resources only other servers sharing the store serve.
             await self._run(self.store.delete_namespace_contents, t.path_name)
-        return json_response(present(t, deleted))
+            # The answer is kube's (the namespace Terminating until its controller has
+            # emptied it), though here that has already happened.
+            deleted = _terminating(deleted)
+        return json_response(deleted_answer(t, deleted))
 
     async def _deletecollection(self, request: web.Request, t: Target) -> web.Response:
         q = request.query
@@ -262,7 +303,7 @@ class ResourceAPI:
         rv = str(await self._run(self.store.current_resource_version))
         return json_response({"kind": t.entry.kind + "List", "apiVersion": t.api_version,
                               "metadata": {"resourceVersion": rv},
-                              "items": [present(t, o) for o in deleted]})
+                              "items": [present_item(t, o) for o in deleted]})
 
     # --- subresources -----------------------------------------------------------
 
@@ -338,6 +379,17 @@ class ResourceAPI:
 # --- pure helpers ---------------------------------------------------------------------
 
 
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _terminating(namespace: dict) -> dict:
+    shown = copy.deepcopy(namespace)
+    shown["metadata"]["deletionTimestamp"] = _now()
+    shown.setdefault("status", {})["phase"] = "Terminating"
+    return shown
+
+
 def _identity(t: Target, obj: dict) -> dict:
     return obj
 
@@ -376,7 +428,7 @@ def _fold_scale(t: Target, current: dict, scale: dict) -> dict:
     replicas = (scale.get("spec") or {}).get("replicas", 0)
     if not isinstance(replicas, int) or replicas < 0:
         raise RequestError(apistatus.invalid(
-            "autoscaling", "scale", "Scale", t.path_name,
+            "autoscaling", "Scale", t.path_name,
             f"spec.replicas: Invalid value: {replicas}: must be greater than or equal to 0"))
     obj = copy.deepcopy(current)
     obj.setdefault("spec", {})["replicas"] = replicas
@@ -410,7 +462,8 @@ def _table(request: web.Request, t: Target, objects: list[dict], meta: dict,
     include = request.query.get("includeObject") or "Metadata"
     if include not in tables.INCLUDE_OBJECT:
         raise RequestError(apistatus.bad_request(
-            f'unrecognized includeObject value: "{include}"'))
+            f'Unable to convert to Table as requested: includeObject: Invalid value: '
+            f'"{include}": must be \'Metadata\', \'Object\', \'None\', or empty'))
     return tables.table(objects, list_meta=meta, include=include, version=chosen.version,
                         group=t.group, resource=t.resource)
 

@@ -39,7 +39,7 @@ def _object(value: Any, where: str, t: Target, kind: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise RequestError(apistatus.invalid(t.group, t.resource, kind, "",
+        raise RequestError(apistatus.invalid(t.group, kind, "",
                                              f"{where}: Invalid value: must be an object"))
     return value
 
@@ -55,7 +55,7 @@ def _request_info(spec: dict, t: Target, kind: str) -> RequestInfo:
     non_resource = spec.get("nonResourceAttributes")
     if (resource is None) == (non_resource is None):
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, kind, "", "spec.resourceAttributes: Invalid value: "
+            t.group, kind, "", "spec.resourceAttributes: Invalid value: "
             "exactly one of nonResourceAttributes or resourceAttributes must be specified"))
     if non_resource is not None:
         attrs = _object(non_resource, "spec.nonResourceAttributes", t, kind)
@@ -78,11 +78,11 @@ def _subject(spec: dict, t: Target, kind: str) -> UserInfo:
               for v in extra.values()))
     if not ok:
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, kind, "", "spec: Invalid value: groups must be a list of "
+            t.group, kind, "", "spec: Invalid value: groups must be a list of "
             "strings and extra a map of string to list of strings"))
     if not user and not groups:
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, kind, "", 'spec.user: Invalid value: "": at least one of '
+            t.group, kind, "", 'spec.user: Invalid value: "": at least one of '
             "user or group must be specified"))
     return UserInfo(user, _str(spec, "uid"), tuple(groups), extra)
 
@@ -142,7 +142,7 @@ def _check_local(spec: dict, t: Target, kind: str) -> None:
     """A LocalSubjectAccessReview asks about resources in its own namespace only."""
     if spec.get("nonResourceAttributes") is not None:
         raise RequestError(apistatus.invalid(
-            t.group, t.resource, kind, "", "spec.nonResourceAttributes: Invalid value: "
+            t.group, kind, "", "spec.nonResourceAttributes: Invalid value: "
             "disallowed on this kind of request"))
     attrs = spec["resourceAttributes"]
     namespace = _str(attrs, "namespace")

@@ -81,7 +81,7 @@ class Sim:
             return health(request)
         if any(path == p or path.startswith(p + "/") for p in _KUBE_ONLY_PATHS):
             return apistatus.not_simulated(404, f"GET {path}")
-        return apistatus.path_not_found()
+        return apistatus.page_not_found()
 
 
 @web.middleware
@@ -90,6 +90,12 @@ async def request_info_middleware(request: web.Request, handler: Any) -> web.Str
     request[REQUEST_INFO] = parse_request_info(request.method, request.path,
                                                request.query_string)
     return await handler(request)
+
+
+async def _no_cache(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """kube-apiserver marks every answer uncacheable but aggregated discovery's (which
+    sets its own ``public``), errors and watches included."""
+    response.headers.setdefault("Cache-Control", "no-cache, private")
 
 
 def ensure_namespaces(store: Store) -> None:
@@ -121,6 +127,7 @@ def build_app(*, catalog: Catalog, store: Store, server_id: str, authenticator: 
     app = web.Application(middlewares=middlewares, client_max_size=3 * 1024 * 1024)
     if authenticator is not None:
         app.on_response_prepare.append(simauth.audit_id_on_prepare)
+    app.on_response_prepare.append(_no_cache)
     ensure_namespaces(store)
     app[SIM] = sim
     app[simwatch.WATCHES] = set()

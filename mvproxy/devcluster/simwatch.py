@@ -1,8 +1,10 @@
 """Watch streaming: JSON lines over chunked HTTP, as kube-apiserver sends them.
 
 Semantics kept from kube: no or ``0`` resourceVersion starts with a synthetic ADDED
-per current object; a too-old one yields a single ERROR event carrying a 410
-``Expired`` Status (HTTP 200, as the watch cache answers); ``allowWatchBookmarks``
+per current object; a too-old one (older than the retained events, or than the store
+when this server started: a kube-apiserver's watch cache holds nothing from before it
+started) yields a single ERROR event carrying a 410 ``Expired`` Status (HTTP 200, as
+the watch cache answers), then the stream ends; ``allowWatchBookmarks``
 adds BOOKMARK events (here every ``bookmark_interval`` seconds, so tests need not
 wait a minute); ``sendInitialEvents=true`` ends the initial ADDED burst with the
 ``k8s.io/initial-events-end`` bookmark that client-go's WatchList waits for;
@@ -25,7 +27,7 @@ from mvproxy.logs import kv
 
 from . import apistatus, tables
 from .mediatypes import WATCH_CONVERSIONS, Negotiated, negotiate
-from .simobjects import RequestError, Target, present
+from .simobjects import RequestError, Target, check_list_options, present
 from .store import Expired, Store, WatchEvent, parse_field_selector, parse_label_selector
 
 log = logging.getLogger(__name__)
@@ -104,11 +106,11 @@ class WatchRequest:
         if t.path_name:  # legacy /watch/.../<name>
             by_name = f"metadata.name={t.path_name}"
             self.fields = f"{self.fields},{by_name}" if self.fields else by_name
+        rv = check_list_options(request, watch=True)
+        self.start = rv or None  # unset and 0 both start with the current objects
         try:
             parse_label_selector(self.labels)
             parse_field_selector(self.fields, t.group, t.resource)
-            rv = q.get("resourceVersion", "")
-            self.start = int(rv) if rv not in ("", "0") else None
             self.timeout = float(q.get("timeoutSeconds") or 0)
         except ValueError as exc:
             raise RequestError(apistatus.bad_request(str(exc))) from None
@@ -119,8 +121,15 @@ class WatchRequest:
         self.include = q.get("includeObject") or "Metadata"
 
 
+def too_old(start: int, horizon: int) -> Expired:
+    """A watch from before this server's history begins (``horizon``: the store's
+    resourceVersion when the server started, as a kube-apiserver's watch cache begins
+    when it starts)."""
+    return Expired(f"too old resource version: {start} ({horizon})")
+
+
 async def serve(request: web.Request, t: Target, store: Store,
-                bookmark_interval: float) -> web.StreamResponse:
+                bookmark_interval: float, horizon: int = 0) -> web.StreamResponse:
     chosen = negotiate(request.headers.get("Accept"), WATCH_CONVERSIONS, allow_stream=True)
     if chosen is None:
         return apistatus.not_acceptable()
@@ -130,6 +139,8 @@ async def serve(request: web.Request, t: Target, store: Store,
     response.enable_chunked_encoding()
     if opts.start is not None:
         try:
+            if opts.start < horizon:
+                raise too_old(opts.start, horizon)
             await asyncio.to_thread(store.events_since, t.group, t.resource, t.scope(),
                                     opts.start)
         except Expired as exc:

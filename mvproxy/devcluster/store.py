@@ -65,7 +65,12 @@ class AlreadyExists(StoreError):
 
 
 class Conflict(StoreError):
-    """A resourceVersion precondition did not hold (kube: 409 Conflict)."""
+    """A resourceVersion precondition did not hold (kube: 409 Conflict); ``actual`` is
+    the stored object's resourceVersion when known."""
+
+    def __init__(self, message: str, actual: str = "") -> None:
+        super().__init__(message)
+        self.actual = actual
 
 
 class Expired(StoreError):
@@ -470,7 +475,7 @@ class Store:
             if expected_resource_version and str(expected_resource_version) != actual:
                 raise Conflict(
                     f"Precondition failed for {_describe(key)}: resourceVersion is {actual},"
-                    f" not {expected_resource_version}"
+                    f" not {expected_resource_version}", actual=actual
                 )
             return self._delete_in(cur, key, current)
 
@@ -667,7 +672,10 @@ def _filter_event(event: WatchEvent, prev: dict | None, match: Predicate) -> Wat
     if now:
         return WatchEvent("ADDED", event.object, event.resource_version)
     if before:
-        return WatchEvent("DELETED", event.object, event.resource_version)
+        # As kube's watch cache: the last state the watcher was shown, at the event's rv.
+        gone = json.loads(json.dumps(prev))
+        _metadata_of(gone)["resourceVersion"] = str(event.resource_version)
+        return WatchEvent("DELETED", gone, event.resource_version)
     return None
 
 
