@@ -5,7 +5,7 @@
 # the IPv4 address Docker gives that name in /etc/hosts, the one kind passes to kubelet
 # as --node-ip and kube-apiserver advertises in the default/kubernetes Service.
 set -eu
-MVPROXY=${MVPROXY:-/opt/mvproxy/mvproxy}
+MVPROXY=${MVPROXY:-/opt/mvproxy/dist/mvproxy}
 NODE_NAME=$(hostname)
 # shellcheck disable=SC2046  # split getent's answer into words: the address is the first
 set -- $(getent ahostsv4 "$NODE_NAME" || true)
