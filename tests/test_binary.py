@@ -274,6 +274,25 @@ def test_version_in_the_python_less_root(chroot):
     assert chroot.unpacked() == []
 
 
+def test_every_subcommand_of_the_image_in_the_python_less_root(chroot):
+    """What the container image answers, the binary answers: the daemon's commands,
+    a development PKI (cryptography's Rust extension and OpenSSL at work), and the
+    simulator's two commands saying they are not in this build."""
+    for command in (("run",), ("check-config",), ("certs", "init")):
+        done = chroot.run(*command, "--help")
+        assert done.returncode == 0 and "usage: mvproxy" in done.stdout, done.stderr
+    done = chroot.run("certs", "init", "/root/pki", "--server-id", "a", "--host", "node-a")
+    assert done.returncode == 0, done.stderr
+    assert (chroot.host("/root/pki/a/mvproxy.crt")).is_file()
+    key = chroot.host("/root/pki/a/mvproxy.key")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert chroot.run("sim", "--help").returncode == 0  # argparse needs no simulator
+    done = chroot.run("demo")
+    assert done.returncode == 1 and "contains only the daemon" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert chroot.unpacked() == []
+
+
 def _config(chroot: Chroot, name: str, backend: str, **changes) -> tuple[str, int, int]:
     """Write a configuration into the chroot; (its path there, port, admin port)."""
     port, admin = free_port(), free_port()
