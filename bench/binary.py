@@ -214,14 +214,15 @@ def main() -> int:
           f" {'CPU µs/req':>11} {'× venv':>7}")
     summary = {}
     for name, r in results.items():
-        row = {"size_mb": round(r["size_bytes"] / 1e6, 1),
+        row = {"size_mb": round(r["size_bytes"] / 1e6, 1) if name != "venv" else None,
                "version_s": round(r["version_s"], 3),
                "ready_s": round(statistics.median(r["ready_s"]), 3),
                "cpu_us_per_request": round(statistics.median(r["cpu_us"]), 1),
                "cpu_ratio_to_venv": round(statistics.median(r["ratio"]), 3),
                "cpu_ratio_range": [round(min(r["ratio"]), 3), round(max(r["ratio"]), 3)]}
         summary[name] = row
-        print(f"{name:10} {row['size_mb']:8.1f} {row['version_s']:12.3f} {row['ready_s']:8.3f}"
+        size = "-" if name == "venv" else f"{row['size_mb']:.1f}"
+        print(f"{name:10} {size:>8} {row['version_s']:12.3f} {row['ready_s']:8.3f}"
               f" {row['cpu_us_per_request']:11.0f} {row['cpu_ratio_to_venv']:7.3f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "binary.json").write_text(json.dumps(
