@@ -344,7 +344,7 @@ def unmount_under(path: Path) -> None:
 def build_rootfs() -> Path:
     """A Debian ``bookworm`` root file system from ``debootstrap --variant=minbase``:
     coreutils, bash, apt, glibc, and no Python. Made once into ROOTFS_CACHE (outside
-    the clone; about 70 MB and a few minutes from the Debian mirror) and reused after.
+    the clone; about 200 MB, a minute or two from the Debian mirror) and reused after.
     Needs root (debootstrap, and the tests' chroot); debootstrap is installed with
     apt-get when missing."""
     tree = ROOTFS_CACHE / f"{ROOTFS_SUITE}-minbase"
