@@ -172,9 +172,31 @@ BINARY_CACHE = Path(os.environ.get("MVPROXY_BINARY_CACHE",
                                    Path.home() / ".cache" / "mvproxy" / "binary"))
 """Built binaries by source digest, and the build venvs, outside the clone: a fresh
 clone (CI's) reuses what an earlier build of the same sources made."""
-BINARY_FORMAT = "pyinstaller-onefile-1"
-"""Changes when build_binary's recipe changes, so no older build is reused."""
+KEEP_BUILDS = 4
 FROZEN_MAIN = "import sys\n\nfrom mvproxy.frozen import main\n\nsys.exit(main())\n"
+
+
+def private_cache(path: Path) -> Path:
+    """``path`` as a directory only this user can change: made (or set) 0700, and every
+    directory above it owned by root or this user and not writable by others unless
+    sticky (mvproxy/frozen.py's rule, loaded by path: stdlib only). What is cached there
+    is run as this user, often root: a built binary copied into dist/, a root file
+    system chrooted into."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid == os.geteuid():
+        path.chmod(0o700)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mvproxy_dev_frozen",
+                                                  ROOT / "mvproxy" / "frozen.py")
+    assert spec and spec.loader
+    frozen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frozen)
+    found = frozen.problems(str(path))
+    if found:
+        raise SystemExit(f"dev.py: refusing the cache {path}, which another user could "
+                         "change:\n" + "".join(f"  {line}\n" for line in found))
+    return path
 
 
 def _interpreter_facts(python: Path) -> dict[str, str]:
@@ -191,7 +213,9 @@ def _interpreter_facts(python: Path) -> dict[str, str]:
 
 def binary_sources() -> list[Path]:
     """Every file whose content goes into the binary (or decides how it is built)."""
-    files = [ROOT / "pyproject.toml", ROOT / "scripts" / "prune_runtime.py"]
+    # This file too: it holds the recipe (PyInstaller's flags, the entry script).
+    files = [ROOT / "pyproject.toml", ROOT / "scripts" / "prune_runtime.py",
+             ROOT / "scripts" / "dev.py"]
     files += sorted(p for p in (ROOT / "mvproxy").rglob("*")
                     if p.is_file() and "devcluster" not in p.parts
                     and "__pycache__" not in p.parts)
@@ -206,7 +230,7 @@ def binary_requirements() -> str:
 
 def binary_digest(facts: dict[str, str]) -> str:
     """Of every input of the build: the recipe, the interpreter, the pins, the sources."""
-    digest = hashlib.sha256(f"{BINARY_FORMAT}\0{FROZEN_MAIN}\0".encode())
+    digest = hashlib.sha256()
     digest.update(binary_requirements().encode() + b"\0")
     for key in sorted(facts):
         digest.update(f"{key}={facts[key]}\0".encode())
@@ -257,7 +281,7 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
                          f"libpython ({python} was not: build it with --enable-shared, for "
                          "pyenv PYTHON_CONFIGURE_OPTS=--enable-shared)")
     digest = binary_digest(facts)
-    cached = BINARY_CACHE / digest / "mvproxy"
+    cached = private_cache(BINARY_CACHE) / digest / "mvproxy"
     if not cached.exists():
         _freeze(python, facts, cached, work or BINARY_CACHE / f"work-{digest}")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -303,6 +327,12 @@ def _freeze(python: Path, facts: dict[str, str], cached: Path, work: Path) -> No
     partial.replace(cached)
     shutil.rmtree(work, ignore_errors=True)
     print(f"dev.py: froze {cached} in {time.monotonic() - began:.0f} s", flush=True)
+    # Keep the newest few builds (another branch's tree may come back), not every one.
+    builds = sorted((p for p in cached.parent.parent.iterdir()
+                     if p.is_dir() and (p / "mvproxy").is_file()),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in builds[KEEP_BUILDS:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 ROOTFS_CACHE = Path(os.environ.get("MVPROXY_ROOTFS_CACHE",
@@ -347,8 +377,9 @@ def build_rootfs() -> Path:
     the clone; about 200 MB, a minute or two from the Debian mirror) and reused after.
     Needs root (debootstrap, and the tests' chroot); debootstrap is installed with
     apt-get when missing."""
-    tree = ROOTFS_CACHE / f"{ROOTFS_SUITE}-minbase"
-    done = ROOTFS_CACHE / f"{ROOTFS_SUITE}-minbase.done"
+    cache = private_cache(ROOTFS_CACHE)
+    tree = cache / f"{ROOTFS_SUITE}-minbase"
+    done = cache / f"{ROOTFS_SUITE}-minbase.done"
     if done.exists() and tree.is_dir():
         return tree
     if os.geteuid() != 0:
