@@ -26,6 +26,8 @@ the venv.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,6 +202,17 @@ def private_cache(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """An exclusive lock on ``cache`` (its ``.lock`` file) while building into it."""
+    with open(cache / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _interpreter_facts(python: Path) -> dict[str, str]:
     """What the binary inherits from the interpreter that freezes it."""
     code = ("import json, platform, sys, sysconfig; print(json.dumps({'version': sys.version,"
@@ -282,8 +296,9 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
                          "pyenv PYTHON_CONFIGURE_OPTS=--enable-shared)")
     digest = binary_digest(facts)
     cached = private_cache(BINARY_CACHE) / digest / "mvproxy"
-    if not cached.exists():
-        _freeze(python, facts, cached, work or BINARY_CACHE / f"work-{digest}")
+    with _locked(BINARY_CACHE):  # one build at a time (worktrees share the cache)
+        if not cached.exists():
+            _freeze(python, facts, cached, work or BINARY_CACHE / f"work-{digest}")
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     shutil.copyfile(cached, partial)
@@ -311,7 +326,9 @@ def _freeze(python: Path, facts: dict[str, str], cached: Path, work: Path) -> No
     _run(build_python, ROOT / "scripts" / "prune_runtime.py", site)
     entry = work / "mvproxy_main.py"
     entry.write_text(FROZEN_MAIN)
-    env = {**os.environ, "PYTHONHASHSEED": "0", "SOURCE_DATE_EPOCH": "315532800"}
+    # Nothing from this shell's Python settings (a PYTHONPATH would add its modules).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONHASHSEED="0", SOURCE_DATE_EPOCH="315532800")
     # --onefile: one file; --strip: symbols off libpython and the extensions (half the
     # size); no --runtime-tmpdir: the launcher unpacks under $TMPDIR with mkdtemp, and
     # mvproxy.frozen refuses a directory another user could change.
@@ -382,12 +399,19 @@ def build_rootfs() -> Path:
     done = cache / f"{ROOTFS_SUITE}-minbase.done"
     if done.exists() and tree.is_dir():
         return tree
+    with _locked(cache):
+        if done.exists() and tree.is_dir():  # made by another process meanwhile
+            return tree
+        return _debootstrap(cache, tree, done)
+
+
+def _debootstrap(cache: Path, tree: Path, done: Path) -> Path:
     if os.geteuid() != 0:
         raise SystemExit("dev.py rootfs: debootstrap and chroot need root")
     tool = ensure_debootstrap()
     if tool is None:
         raise SystemExit("dev.py rootfs: debootstrap is missing and cannot be installed")
-    partial = ROOTFS_CACHE / f".{ROOTFS_SUITE}-minbase.partial"
+    partial = cache / f".{ROOTFS_SUITE}-minbase.partial"
     unmount_under(partial)  # an interrupted debootstrap may leave /proc mounted there
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(tree, ignore_errors=True)
