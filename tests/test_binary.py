@@ -10,7 +10,8 @@ digest of its inputs, so an unchanged tree is copied, not rebuilt). Then:
   ``check-config`` (exit 0 and 2), ``run`` alone and with ``--workers 2`` in front of
   the fake backend on the host's loopback (a chroot shares the network namespace),
   serving a request with the client's identity, SIGHUP reload, certificate reload,
-  draining on SIGTERM; a read-only root with ``TMPDIR`` on a writable directory.
+  draining on SIGTERM; a read-only root with ``TMPDIR`` on a writable directory; and
+  in front of a real kube-apiserver when the real-cluster suite's binaries are there.
 
 The chroot is an overlay on the cached tree (nothing is written into the cache) with
 /proc mounted; both are unmounted at teardown. Chroot needs root: without it these
@@ -550,3 +551,67 @@ def test_the_glibc_it_needs_is_at_most_the_promised_one(binary, root, tmp_path):
     assert versions and max(versions) <= GLIBC_PROMISED, sorted(versions)[-3:]
     assert proc.returncode == 0
     assert list(tmpdir.iterdir()) == []
+
+
+REAL_VERSION = "1.36.3"
+
+
+async def test_run_in_front_of_a_real_kube_apiserver_in_the_python_less_root(chroot,
+                                                                           tmp_path):
+    """With the real-cluster suite's binaries (``dev.py kube-binaries``; a skip without
+    them, a failure under CI): one etcd and a real kube-apiserver on the host, the
+    binary chrooted in front of it with the member's own configuration and PKI. A
+    SelfSubjectReview through it is answered by kube-apiserver with the client
+    certificate's user, which only mvproxy's front-proxy headers can have told it."""
+    from real_support import require_binaries
+
+    from mvproxy.devcluster.realdemo import start_real_cluster
+
+    binaries = require_binaries([REAL_VERSION])
+    cluster = await asyncio.to_thread(start_real_cluster, tmp_path / "real", [REAL_VERSION],
+                                      0, binaries=binaries)
+    try:
+        [server] = cluster.servers
+        real = tmp_path / "real"
+        inside = Path("/etc/mvproxy/real")
+        shutil.copytree(real / "pki", chroot.host(inside / "pki"))
+        doc = yaml.safe_load(server.config.read_text())
+        port, admin = free_port(server.host), free_port(server.host)
+        doc.update(securePort=port, admin={"bindAddress": server.host, "port": admin})
+        config = inside / server.id / "mvproxy.yaml"  # its paths are relative to it
+        chroot.host(config).parent.mkdir(parents=True)
+        chroot.host(config).write_text(yaml.safe_dump(doc))
+        ctx = cluster.admin_context()
+        log_path = tmp_path / "real-binary.log"
+        with _daemon(chroot, log_path, "run", "--config", str(config)) as proc:
+            try:
+                await _until(lambda: _ready(server.host, admin), "/readyz of the binary")
+                review = {"apiVersion": "authentication.k8s.io/v1",
+                          "kind": "SelfSubjectReview"}
+                connector = aiohttp.TCPConnector(ssl=ctx)
+                async with aiohttp.ClientSession(connector=connector) as session:
+                    async with session.post(
+                            f"https://{server.host}:{port}"
+                            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                            json=review, timeout=aiohttp.ClientTimeout(total=WAIT)) as resp:
+                        assert resp.status == 201, await resp.text()
+                        user = (await resp.json())["status"]["userInfo"]
+                    async with session.get(f"https://{server.host}:{port}/version") as resp:
+                        version = (await resp.json())["gitVersion"]
+                assert user["username"] == _admin_cn(cluster.pki)
+                assert version == f"v{REAL_VERSION}"
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(WAIT)
+            except BaseException as exc:
+                raise AssertionError(log_path.read_text(errors="replace")) from exc
+        assert proc.returncode == 0, log_path.read_text(errors="replace")
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def _ready(host: str, admin: int) -> bool:
+    async with aiohttp.ClientSession() as session:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(f"http://{host}:{admin}/readyz") as resp:
+                return resp.status == 200
+    return False
