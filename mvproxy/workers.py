@@ -119,7 +119,7 @@ class Supervisor:
     # ---------------------------------------------------------------- processes
 
     async def start(self, worker: Worker) -> None:
-        argv = [sys.executable, "-m", "mvproxy", "worker", "--overrides",
+        argv = [*self_command(), "worker", "--overrides",
                 json.dumps(self.overrides), "--index", str(worker.index),
                 "--admin-socket", worker.socket_name]
         if self.config_path:
@@ -323,6 +323,15 @@ class Supervisor:
         return admin_app(page=page, peers=peers, route=route, metrics=metrics,
                          livez=livez, readyz=readyz, debug=debug,
                          allowed_hosts=self.config.admin.allowed_hosts)
+
+
+def self_command() -> list[str]:
+    """How to start mvproxy again: the standalone binary is itself the command (its
+    workers reuse the directory it unpacked into), anything else is this interpreter
+    with ``-m mvproxy``."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable]
+    return [sys.executable, "-m", "mvproxy"]
 
 
 async def _connect_abstract(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -4,21 +4,28 @@
 ``requirements.lock`` pins, with the sha256 of every published file, everything a
 development environment installs: the daemon's runtime dependencies, the ``test`` and
 ``lint`` extras and the build backend (so ``pip install --no-build-isolation -e .``
-downloads nothing unpinned). It is one valid requirements file in two sections, each
-opened by a marker comment:
+downloads nothing unpinned); and the tools that freeze the standalone binary. It is
+one valid requirements file in three sections, each opened by a marker comment:
 
 * ``# [runtime]``: ``pyproject.toml``'s ``dependencies`` and everything they need. The
   container image and the standalone binary install only this section
   (``lock.py select runtime``), so no test or lint tool reaches them.
-* ``# [dev]``: the rest, for ``scripts/dev.py`` and ``.ci/run`` (which install it all).
+* ``# [dev]``: the rest of the development environment, for ``scripts/dev.py`` and
+  ``.ci/run`` (which install ``runtime`` and ``dev``, never ``binary``).
+* ``# [binary]``: ``[tool.mvproxy] binary-requires`` in ``pyproject.toml`` (PyInstaller)
+  and what it needs beyond the runtime section. ``dev.py binary`` installs ``runtime``
+  and ``binary`` into a build environment of its own, outside the development venv.
+  A distribution both here and in ``dev`` (setuptools, packaging) has the same pin in
+  both: this resolution is constrained to the other two.
 
 ``lock.py select build`` gives the pins of ``build-system.requires`` (setuptools, which
 needs nothing else): the image and the binary build mvproxy's wheel with them and
 ``--no-build-isolation``.
 
-``python3 scripts/lock.py refresh [--upgrade]`` regenerates it with pip-tools, in two
-resolutions: the runtime dependencies alone, then everything constrained to those
-runtime pins, so a runtime package has the same version in both sections. Existing
+``python3 scripts/lock.py refresh [--upgrade]`` regenerates it with pip-tools, in three
+resolutions: the runtime dependencies alone; then the extras and the build backend
+constrained to those runtime pins, so a runtime package has the same version in both
+sections; then the binary's tools constrained to all of those. Existing
 pins are kept where they still satisfy ``pyproject.toml`` (pip-compile's behaviour);
 ``--upgrade`` takes the newest releases instead. It needs CPython 3.11 (the version
 the lock is for) and PyPI; pip's local configuration (mirrors, find-links) is ignored
@@ -44,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.lock"
 PIP_TOOLS = "pip-tools==7.6.2"
 INDEX = "https://pypi.org/simple"
-SECTIONS = ("runtime", "dev")
+SECTIONS = ("runtime", "dev", "binary")
 REFRESH = "python3 scripts/lock.py refresh"
 HEADER = f"""\
 # requirements.lock: the one lock file (see scripts/lock.py). Every distribution a
@@ -55,13 +62,15 @@ HEADER = f"""\
 #    {REFRESH}            # keep pins that still satisfy pyproject.toml
 #    {REFRESH} --upgrade  # newest releases
 #
-# Consumers: scripts/dev.py and .ci/run install all of it (--require-hashes); the
-# Dockerfile and `dev.py binary` only the [runtime] section, and build the wheel with
-# the build backend's pins (scripts/lock.py select runtime|build).
+# Consumers: scripts/dev.py and .ci/run install [runtime] and [dev] (--require-hashes);
+# the Dockerfile only [runtime], `dev.py binary` [runtime] and [binary] (PyInstaller),
+# and both build the wheel with the build backend's pins (scripts/lock.py select
+# runtime|dev|binary|build).
 """
 SECTION_NOTES = {
     "runtime": "pyproject.toml's dependencies and all they need (image, binary)",
     "dev": "the test and lint extras, the build backend (dev.py, .ci/run)",
+    "binary": "the standalone binary's tools beyond [runtime] (dev.py binary's build venv)",
 }
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
@@ -111,17 +120,24 @@ def sections(text: str) -> dict[str, dict[str, str]]:
     return found
 
 
-def assemble(runtime: str, everything: str) -> str:
-    """The lock's text from the two pip-compile outputs: the runtime resolution, and
-    the full one (which must agree on every runtime pin)."""
-    run, full = entries(runtime), entries(everything)
+def assemble(runtime: str, everything: str, binary: str = "") -> str:
+    """The lock's text from the three pip-compile outputs: the runtime resolution, the
+    full one (which must agree on every runtime pin) and the binary's tools (which
+    must agree with both)."""
+    run, full, tools = entries(runtime), entries(everything), entries(binary)
     for name, entry in run.items():
         if name not in full or version(full[name]) != version(entry):
             raise ValueError(f"{name}: runtime pin {version(entry)} differs from the full "
                              f"resolution's {version(full[name]) if name in full else None}")
+    for name, entry in tools.items():
+        known = run.get(name) or full.get(name)
+        if known is not None and version(known) != version(entry):
+            raise ValueError(f"{name}: the binary's pin {version(entry)} differs from "
+                             f"{version(known)} elsewhere in the lock")
     dev = {name: entry for name, entry in full.items() if name not in run}
+    built = {name: entry for name, entry in tools.items() if name not in run}
     out = [HEADER]
-    for section, chosen in (("runtime", run), ("dev", dev)):
+    for section, chosen in (("runtime", run), ("dev", dev), ("binary", built)):
         out.append(f"# [{section}] {SECTION_NOTES[section]}\n")
         out.extend(chosen[name] + "\n" for name in sorted(chosen))
     return "".join(out)
@@ -136,6 +152,11 @@ def build_requires(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The canonical names ``build-system.requires`` lists."""
     requires = tomllib.loads(pyproject.read_text())["build-system"]["requires"]
     return [canonical(re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0]) for r in requires]
+
+
+def binary_requires(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """``[tool.mvproxy] binary-requires``: what ``dev.py binary`` freezes with."""
+    return list(tomllib.loads(pyproject.read_text())["tool"]["mvproxy"]["binary-requires"])
 
 
 def select(text: str, section: str, pyproject: Path = ROOT / "pyproject.toml") -> str:
@@ -185,7 +206,8 @@ def refresh(upgrade: bool = False) -> None:
             "--strip-extras", "--no-emit-index-url", "--no-emit-find-links",
             "--index-url", INDEX, *(["--upgrade"] if upgrade else [])]
         runtime, everything = tmp / "runtime.txt", tmp / "everything.txt"
-        for seed in (runtime, everything):  # pip-compile keeps the pins it finds there
+        tools = tmp / "binary.txt"
+        for seed in (runtime, everything, tools):  # pip-compile keeps the pins it finds there
             if LOCK.exists():
                 shutil.copyfile(LOCK, seed)
         subprocess.run(compile_ + ["--output-file", str(runtime), "pyproject.toml"],
@@ -197,7 +219,16 @@ def refresh(upgrade: bool = False) -> None:
         subprocess.run(compile_ + ["--extra", "test", "--extra", "lint", "--output-file",
                                    str(everything), "pyproject.toml", str(build)],
                        cwd=ROOT, check=True, env=_isolated_env(), timeout=1800)
-        text = assemble(runtime.read_text(), everything.read_text())
+        full_pins = tmp / "full-pins.txt"
+        full_pins.write_text("".join(pin(e) + "\n"
+                                     for e in entries(everything.read_text()).values()))
+        tools_in = tmp / "binary.in"
+        tools_in.write_text(f"-c {full_pins}\n"
+                            + "".join(f"{r}\n" for r in binary_requires()))
+        subprocess.run(compile_ + ["--output-file", str(tools), "pyproject.toml",
+                                   str(tools_in)],
+                       cwd=ROOT, check=True, env=_isolated_env(), timeout=1800)
+        text = assemble(runtime.read_text(), everything.read_text(), tools.read_text())
     LOCK.write_text(text.replace(f"{tmp_name}/", ""))
     print(f"lock.py: wrote {LOCK}", flush=True)
 

@@ -7,15 +7,20 @@
   kind generates (v1beta3 below 1.36, v1beta4 from 1.36);
 - the kubeadm patch for kube-apiserver moves its probes to loopback and the result is
   still a valid Pod;
-- the mvproxy static pod is a valid Pod for 1.35 and 1.36 (kubernetes-validate, strict),
-  uses only flags ``mvproxy run`` has, and its configuration passes
-  ``mvproxy check-config`` against a kubeadm-shaped development PKI;
+- mvproxy runs on each node from the standalone binary, started by the node's systemd:
+  the unit and kubelet's drop-in are mounted where systemd reads them, the unit gives
+  the binary a private TMPDIR (its RuntimeDirectory) and no capabilities, and
+  ``systemd-analyze verify`` accepts it where systemd is installed;
+- ``mvproxy-run.sh``, run here with the node's ``hostname`` and ``getent`` stood in for,
+  starts the mounted binary with only flags ``mvproxy run`` has, and its configuration
+  passes ``mvproxy check-config`` against a kubeadm-shaped development PKI;
 - the layout: mvproxy on <node IP>:6443, kube-apiserver on 127.0.0.1:6443.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -26,13 +31,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-import mvproxy
 from mvproxy.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 KIND = ROOT / "config" / "kind"
 CLUSTER = KIND / "cluster.yaml"
-STATIC_POD = KIND / "mvproxy-static-pod.yaml"
+UNIT = KIND / "mvproxy.service"
+KUBELET_DROP_IN = KIND / "kubelet-wants-mvproxy.conf"
+RUN_SCRIPT = KIND / "mvproxy-run.sh"
+BINARY = ROOT / "dist" / "mvproxy"  # what `python3 scripts/dev.py binary` writes
 MVPROXY_CONFIG = KIND / "mvproxy.yaml"
 PATCHES = KIND / "patches"
 KUBE_VERSIONS = ("1.35", "1.36")
@@ -159,21 +166,30 @@ def test_cluster_uses_only_kind_v1alpha4_fields():
     assert cluster["kind"] == "Cluster" and cluster["apiVersion"] == "kind.x-k8s.io/v1alpha4"
 
 
+def node_mounts() -> dict[str, Path]:
+    """containerPath -> the repository file mounted there (the same on every node)."""
+    [mounts] = {tuple((m["containerPath"], m["hostPath"]) for m in node["extraMounts"])
+                for node in load(CLUSTER)["nodes"]}
+    return {inside: (ROOT / outside).resolve() for inside, outside in mounts}
+
+
 def test_three_control_plane_nodes_each_mount_mvproxy():
     nodes = load(CLUSTER)["nodes"]
     control = [n for n in nodes if n["role"] == "control-plane"]
     assert len(control) == 3
+    assert not [m for n in nodes for m in n["extraMounts"]
+                if m["containerPath"].startswith("/etc/kubernetes/manifests")]  # no pod
     for node in control:
         mounts = {m["containerPath"]: m for m in node["extraMounts"]}
-        manifest = mounts["/etc/kubernetes/manifests/mvproxy.yaml"]
-        assert (ROOT / manifest["hostPath"]).resolve() == STATIC_POD
         config_mount = mounts["/etc/kubernetes/mvproxy/config.yaml"]
         assert (ROOT / config_mount["hostPath"]).resolve() == MVPROXY_CONFIG
         for m in node["extraMounts"]:
             # kind resolves a relative hostPath against the working directory: the
-            # repository root, where README says to run `kind create cluster`.
+            # repository root, where README says to run `kind create cluster`. The
+            # binary is there once `dev.py binary` has built it.
             assert not PurePosixPath(m["hostPath"]).is_absolute()
-            assert (ROOT / m["hostPath"]).exists(), m["hostPath"]
+            assert (ROOT / m["hostPath"]).resolve() == BINARY.parent or \
+                (ROOT / m["hostPath"]).exists(), m["hostPath"]
             assert PurePosixPath(m["containerPath"]).is_absolute()
             assert m.get("readOnly") is True
         # kind's image references: a tag pinned by digest.
@@ -269,59 +285,126 @@ def test_kubeadm_patch_moves_kube_apiserver_probes_to_loopback():
         kubernetes_validate.validate(patched, version, strict=True)
 
 
-# --- the mvproxy static pod -----------------------------------------------------------------
+# --- mvproxy from the node's systemd ---------------------------------------------------------
 
-def pod():
-    return load(STATIC_POD)
-
-
-def mvproxy_container() -> dict:
-    [container] = pod()["spec"]["containers"]
-    return container
-
-
-def run_args(env: dict[str, str]) -> list[str]:
-    """The container's args with $(VAR) expanded as kubelet does."""
-    out = []
-    for arg in mvproxy_container()["args"]:
-        for name in re.findall(r"\$\((\w+)\)", arg):
-            assert name in env, name
-            arg = arg.replace(f"$({name})", env[name])
-        out.append(arg)
-    return out
+def unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """A systemd unit file as section -> [(key, value)], in order (keys may repeat)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), [])
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and current is not None, line
+        current.append((key.strip(), value.strip()))
+    return sections
 
 
-@pytest.mark.parametrize("version", KUBE_VERSIONS)
-def test_static_pod_is_a_valid_pod(version):
-    kubernetes_validate.validate(pod(), version, strict=True)
+def setting(sections: dict, section: str, key: str) -> str:
+    [value] = [v for k, v in sections[section] if k == key]
+    return value
 
 
-def test_static_pod_invalid_field_is_caught():
-    """The validator rejects what a typo would produce (strict: unknown fields too)."""
-    broken = pod()
-    broken["spec"]["containers"][0]["livenessProbes"] = {}
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(broken, "1.36", strict=True)
+def test_systemd_reads_the_unit_and_kubelet_wants_it():
+    mounts = node_mounts()
+    assert mounts["/etc/systemd/system/mvproxy.service"] == UNIT
+    [drop_in] = [inside for inside, f in mounts.items() if f == KUBELET_DROP_IN]
+    assert re.fullmatch(r"/etc/systemd/system/kubelet\.service\.d/[0-9]+-[a-z-]+\.conf",
+                        drop_in)
+    assert unit(KUBELET_DROP_IN) == {"Unit": [("Wants", "mvproxy.service")]}
 
 
-def test_static_pod_shape():
-    spec = pod()["spec"]
-    assert pod()["metadata"]["namespace"] == "kube-system" and spec["hostNetwork"] is True
-    c = mvproxy_container()
-    assert c["image"] == f"mvproxy:{mvproxy.__version__}"
-    assert c["imagePullPolicy"] == "Never"        # only ever loaded with `kind load`
-    sc = c["securityContext"]
-    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-    assert sc["capabilities"] == {"drop": ["ALL"]}
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
-    assert env == {"NODE_NAME": "spec.nodeName", "HOST_IP": "status.hostIP"}
-    assert all(m.get("readOnly") for m in c["volumeMounts"])
+def test_the_unit_starts_the_mounted_binary_with_a_private_tmpdir_and_no_capabilities():
+    service = unit(UNIT)
+    mounts = node_mounts()
+    start = setting(service, "Service", "ExecStart")
+    assert mounts[start] == RUN_SCRIPT and os.access(RUN_SCRIPT, os.X_OK)
+    # The binary unpacks itself under TMPDIR: the service's own runtime directory,
+    # owned by root, 0700, removed when it stops.
+    runtime = setting(service, "Service", "RuntimeDirectory")
+    assert setting(service, "Service", "RuntimeDirectoryMode") == "0700"
+    assert ("Environment", f"TMPDIR=/run/{runtime}") in service["Service"]
+    # Restarted until kubeadm has written the certificates, however long that takes.
+    assert setting(service, "Service", "Restart") == "always"
+    assert setting(service, "Unit", "StartLimitIntervalSec") == "0"
+    # SIGTERM to the launcher alone, which passes it on (mvproxy then drains).
+    assert setting(service, "Service", "KillMode") == "mixed"
+    assert setting(service, "Service", "NoNewPrivileges") == "yes"
+    assert setting(service, "Service", "CapabilityBoundingSet") == ""
+    assert setting(service, "Service", "AmbientCapabilities") == ""
+    assert "Install" not in service  # started through kubelet's drop-in, not enabled
 
 
-def test_static_pod_flags_exist_in_mvproxy_run():
-    args = run_args({"NODE_NAME": "mvproxy-control-plane", "HOST_IP": "172.18.0.3"})
-    assert args[0] == "run"                        # the image's ENTRYPOINT is mvproxy
-    assert re.search(r'^ENTRYPOINT \["mvproxy"\]$', (ROOT / "Dockerfile").read_text(), re.M)
+def test_systemd_analyze_verifies_the_units(tmp_path):
+    """Where systemd is installed: its own checker on the unit and on a kubelet.service
+    with the drop-in, laid out as on a node (ExecStart pointed at this tree's script,
+    which is what the node mounts there). It reports a bad setting as a warning, so
+    any output at all fails."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("no systemd-analyze here")
+    units = tmp_path / "units"
+    (units / "kubelet.service.d").mkdir(parents=True)
+    start = setting(unit(UNIT), "Service", "ExecStart")
+    (units / "mvproxy.service").write_text(
+        UNIT.read_text().replace(f"ExecStart={start}\n", f"ExecStart={RUN_SCRIPT}\n"))
+    (units / "kubelet.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (units / "kubelet.service.d" / "20-mvproxy.conf").write_text(KUBELET_DROP_IN.read_text())
+    done = subprocess.run([analyze, "verify", "--man=no", "mvproxy.service", "kubelet.service"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SYSTEMD_UNIT_PATH": f"{units}:"})
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+NODE_NAME, NODE_IP = "mvproxy-control-plane", "172.18.0.3"
+
+
+def run_args(tmp: Path, node_name: str = NODE_NAME, node_ip: str = NODE_IP) -> list[str]:
+    """What mvproxy-run.sh executes on a node named ``node_name`` whose /etc/hosts gives
+    it ``node_ip``: the script runs here with ``hostname`` and ``getent`` answering as
+    on that node, and a stand-in binary that prints its arguments."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fakes = {"hostname": f"echo {node_name}",
+             "getent": f'[ "$1 $2" = "ahostsv4 {node_name}" ] && '
+                       f'printf "{node_ip}      STREAM {node_name}\\n'
+                       f'{node_ip}      DGRAM  \\n"',
+             "mvproxy": 'for a in "$@"; do echo "$a"; done'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(["/bin/sh", str(RUN_SCRIPT)], capture_output=True, text=True,
+                          timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                                           "MVPROXY": str(bin_dir / "mvproxy")})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_the_run_script_execs_the_mounted_binary(tmp_path):
+    text = RUN_SCRIPT.read_text()
+    [default] = re.findall(r"^MVPROXY=\$\{MVPROXY:-(\S+)\}$", text, re.M)
+    inside = PurePosixPath(default)
+    assert node_mounts()[str(inside.parent)] == BINARY.parent and inside.name == BINARY.name
+    assert re.search(r'^exec "\$MVPROXY" run', text, re.M)
+    # Without an IPv4 address for the node it says so and exits 1, mvproxy unstarted.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"hostname": "echo lonely", "getent": "exit 2"}.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(["/bin/sh", str(RUN_SCRIPT)], capture_output=True, text=True,
+                          timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                                           "MVPROXY": "/bin/false"})
+    assert done.returncode == 1 and "no IPv4 address for lonely" in done.stderr
+
+
+def test_the_run_script_uses_only_flags_mvproxy_run_has(tmp_path):
+    args = run_args(tmp_path)
+    assert args[0] == "run"
     run = next(a for a in build_parser()._actions
                if a.choices and "run" in a.choices).choices["run"]
     known = {o for a in run._actions for o in a.option_strings}
@@ -330,32 +413,18 @@ def test_static_pod_flags_exist_in_mvproxy_run():
     build_parser().parse_args(args)
 
 
-def test_layout_mvproxy_on_node_ip_kube_apiserver_on_loopback():
+def test_layout_mvproxy_on_node_ip_kube_apiserver_on_loopback(tmp_path):
     """kube-apiserver publishes <advertise address>:<secure port> in default/kubernetes;
     with kind's advertise address (the node IP) and port 6443, that is mvproxy."""
-    node_ip = "172.18.0.3"
-    ns = build_parser().parse_args(run_args({"NODE_NAME": "n", "HOST_IP": node_ip}))
-    assert (ns.bind_address, ns.secure_port) == (node_ip, 6443)
-    assert ns.peer_advertise_url == f"https://{node_ip}:6443"
+    ns = build_parser().parse_args(run_args(tmp_path))
+    assert (ns.server_id, ns.bind_address, ns.secure_port) == (NODE_NAME, NODE_IP, 6443)
+    assert ns.peer_advertise_url == f"https://{NODE_IP}:6443"
     # kube-apiserver: --bind-address from the patch, kind's default port 6443.
     assert ns.backend_url == f"https://{cluster_extra_args()['bind-address']}:6443"
-    c = mvproxy_container()
-    for probe in ("livenessProbe", "readinessProbe"):
-        get = c[probe]["httpGet"]
-        assert (get["host"], get["port"]) == (ns.admin_bind_address, ns.admin_port)
-
-
-def test_static_pod_mounts_what_cluster_yaml_puts_on_the_node():
-    spec = pod()["spec"]
-    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
-    mounts = {m["mountPath"]: volumes[m["name"]] for m in mvproxy_container()["volumeMounts"]}
-    ns = build_parser().parse_args(run_args({"NODE_NAME": "n", "HOST_IP": "10.0.0.1"}))
-    config_dir = str(PurePosixPath(ns.config).parent)
-    node_config = PurePosixPath(mounts[config_dir]) / PurePosixPath(ns.config).name
-    for node in load(CLUSTER)["nodes"]:
-        assert str(node_config) in {m["containerPath"] for m in node["extraMounts"]}
+    assert (ns.admin_bind_address, ns.admin_port) == ("127.0.0.1", 9443)
+    assert node_mounts()[ns.config] == MVPROXY_CONFIG
     pki = load(MVPROXY_CONFIG)["tlsCertFile"]
-    assert mounts[str(PurePosixPath(pki).parent)] == "/etc/kubernetes/pki"
+    assert pki.startswith("/etc/kubernetes/pki/")  # kubeadm's, on the node itself
 
 
 # --- mvproxy.yaml against a kubeadm-shaped development PKI -----------------------------------
@@ -390,7 +459,7 @@ def test_mvproxy_config_passes_check_config_with_the_static_pod_flags(tmp_path):
     text = MVPROXY_CONFIG.read_text()
     assert text.count("/etc/kubernetes/pki/") >= 8
     text = text.replace("/etc/kubernetes/pki/", f"{pki}/")
-    args = [a for a in run_args({"NODE_NAME": node, "HOST_IP": "127.0.0.1"})[1:]
+    args = [a for a in run_args(tmp_path, node, "127.0.0.1")[1:]
             if not a.startswith("--config=")]
     # Ports of the flags are kept: check-config validates, it does not bind.
     result = check_config(tmp_path, text, args)

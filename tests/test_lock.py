@@ -63,12 +63,25 @@ def test_runtime_section_is_the_closure_of_the_runtime_dependencies():
     assert runtime == closure, (f"only in the lock's runtime section: {runtime - closure}; "
                                 f"needed but not in it: {closure - runtime}")
     # What the image and the binary would otherwise carry.
-    assert not runtime & {"pytest", "mypy", "ruff", "coverage", "hypothesis", "shiv"}
+    assert not runtime & {"pytest", "mypy", "ruff", "coverage", "hypothesis", "pyinstaller"}
 
 
 def test_the_sections_do_not_overlap():
+    """runtime is in neither other section; what dev and binary share (setuptools,
+    packaging) has one pin."""
     sections = lock.sections(LOCK.read_text())
     assert not set(sections["runtime"]) & set(sections["dev"])
+    assert not set(sections["runtime"]) & set(sections["binary"])
+    for name in set(sections["dev"]) & set(sections["binary"]):
+        assert lock.version(sections["dev"][name]) == lock.version(sections["binary"][name])
+
+
+def test_the_binary_section_pins_the_binarys_tools_and_no_test_tool():
+    binary = lock.sections(LOCK.read_text())["binary"]
+    wanted = {canonicalize_name(Requirement(r).name) for r in lock.binary_requires()}
+    assert wanted == {"pyinstaller"} and wanted <= set(binary)
+    assert not set(binary) & {"pytest", "mypy", "ruff", "coverage", "hypothesis"}
+    assert all("--hash=sha256:" in entry for entry in binary.values())
 
 
 def test_the_dev_venv_holds_exactly_the_lock():
@@ -115,11 +128,22 @@ setuptools==84.2.1 \\
 """
 
 
+TOOLS = """\
+aiohttp==3.14.5 \\
+    --hash=sha256:aa
+pyinstaller==6.22.3 \\
+    --hash=sha256:dd
+setuptools==84.2.1 \\
+    --hash=sha256:cc
+"""
+
+
 def test_assemble_splits_the_resolutions_into_sections():
-    text = lock.assemble("aiohttp==3.14.5 \\\n    --hash=sha256:aa\n", FULL)
+    text = lock.assemble("aiohttp==3.14.5 \\\n    --hash=sha256:aa\n", FULL, TOOLS)
     sections = lock.sections(text)
     assert list(sections["runtime"]) == ["aiohttp"]
     assert list(sections["dev"]) == ["pytest", "setuptools"]
+    assert list(sections["binary"]) == ["pyinstaller", "setuptools"]
     assert sections["dev"]["pytest"].splitlines()[1].strip() == "--hash=sha256:bb"
     assert lock.REFRESH in text.split("# [runtime]")[0]  # the header says how to refresh
     assert lock.select(text, "dev").count("--hash=") == 2
@@ -128,6 +152,12 @@ def test_assemble_splits_the_resolutions_into_sections():
 def test_assemble_refuses_a_runtime_pin_the_full_resolution_changed():
     with pytest.raises(ValueError, match="aiohttp: runtime pin 3.14.4 differs"):
         lock.assemble("aiohttp==3.14.4 \\\n    --hash=sha256:aa\n", FULL)
+
+
+def test_assemble_refuses_a_binary_pin_that_differs_from_the_others():
+    with pytest.raises(ValueError, match="setuptools: the binary's pin 80.0 differs"):
+        lock.assemble("aiohttp==3.14.5 \\\n    --hash=sha256:aa\n", FULL,
+                      TOOLS.replace("setuptools==84.2.1", "setuptools==80.0"))
 
 
 def test_select_build_gives_the_build_backends_pins_or_names_the_missing(tmp_path):
@@ -145,8 +175,9 @@ def test_select_build_gives_the_build_backends_pins_or_names_the_missing(tmp_pat
 
 
 @pytest.mark.parametrize("text", [FULL, "# [dev] x\n" + FULL + "# [runtime] y\n",
-                                  "# [runtime] x\n" + FULL])
-def test_a_lock_without_its_two_sections_is_refused(text):
+                                  "# [runtime] x\n" + FULL,
+                                  "# [runtime] x\n# [dev] y\n" + FULL])
+def test_a_lock_without_its_three_sections_is_refused(text):
     with pytest.raises(ValueError, match="sections"):
         lock.sections(text)
 
