@@ -277,7 +277,8 @@ class Proxy:
             if route == routing.DISCOVERY:
                 await self.discovery.handle(exchange, info)
             elif route == routing.OPENAPI_INDEX and decision.reason == routing.OPENAPI_MERGED:
-                await self._openapi_document(exchange, decision.peers)
+                await self._openapi_document(exchange, info, decision.peers,
+                                             _may_fall_back(info, peer_proxied, credentials))
             elif route == routing.OPENAPI_INDEX:
                 await self._openapi_index(exchange, downstream)
             elif route == routing.UNAVAILABLE:
@@ -392,7 +393,8 @@ class Proxy:
         exchange.respond(answer.status, [
             ("Content-Type", answer.headers.get("Content-Type", "application/json"))], body)
 
-    async def _openapi_document(self, exchange: Exchange, peers: tuple[str, ...]) -> None:
+    async def _openapi_document(self, exchange: Exchange, info: RequestInfo,
+                                peers: tuple[str, ...], fallback: bool) -> None:
         """``/openapi/v3/apis/<g>/<v>`` of a group/version the backend serves while
         ``peers`` serve more of it: the backend's document (asked with the client's
         credentials, without the hash, which names the backend's own) plus, from the
@@ -401,7 +403,7 @@ class Proxy:
         peer answering: the backend's answer alone."""
         accept = discovery.negotiate(exchange.headers.get("Accept"), aggregated=False)
         if accept.kind != "legacy":
-            await self._to_backend(exchange, long_running=False)
+            await self._to_backend(exchange, info, False, fallback)
             return
         group, version = routing.group_version_path(
             request_info(exchange.method, exchange.path, "")[0]) or ("", "")
