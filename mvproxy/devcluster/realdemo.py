@@ -443,9 +443,14 @@ def start_real_cluster(
     poll_interval: str = "1s",
     lease_timing: tuple[str, str] = DEFAULT_LEASE_TIMING,
     extra_apiserver_args: Mapping[str, Sequence[str]] | None = None,
+    mvproxies: bool = True,
     timeout: float = READY_TIMEOUT,
 ) -> RealCluster:
     """Start the real control plane in ``directory``; return once it has converged.
+
+    ``mvproxies=False`` starts no mvproxy (each ``server(id).proxy`` is made but never
+    started; ``cluster.start_server(id)`` starts it later): the kube-apiservers alone,
+    e.g. to compare with their built-in peer proxy.
 
     UsageError (bad versions, binaries missing, a port in use, a demo running there)
     comes before anything starts; DemoError, ProcessError (with the failing process's
@@ -500,7 +505,7 @@ def start_real_cluster(
         shared_store="one etcd", etcd=etcd, binaries=root_of_binaries, apiserver_args=extra)
 
     try:
-        _start(cluster, membership, timeout)
+        _start(cluster, membership, timeout, mvproxies)
     except BaseException:
         with contextlib.suppress(Exception):
             cluster.stop()
@@ -528,9 +533,11 @@ def _etcd_ports(base_port: int) -> tuple[int, int]:
     return ports
 
 
-def _start(cluster: RealCluster, membership: str, timeout: float) -> None:
+def _start(cluster: RealCluster, membership: str, timeout: float,
+           mvproxies: bool = True) -> None:
     """etcd; the oldest kube-apiserver, then RBAC through it; the others in version
-    order and every mvproxy; then wait for all of them and for convergence."""
+    order and every mvproxy (unless not ``mvproxies``); then wait for all of them and
+    for convergence."""
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -547,10 +554,11 @@ def _start(cluster: RealCluster, membership: str, timeout: float) -> None:
     create_objects(first.backend_url, cluster.admin_context(), _bootstrap_objects(membership))
     for server in order[1:]:
         server.backend.start()
-    for server in cluster.servers:
-        server.proxy.start()
+    proxies = [s.proxy for s in cluster.servers] if mvproxies else []
+    for proxy in proxies:
+        proxy.start()
     cluster.write_state()
-    for process in [s.backend for s in order[1:]] + [s.proxy for s in cluster.servers]:
+    for process in [s.backend for s in order[1:]] + proxies:
         process.wait_ready(left())
     cluster.wait_converged(left())
     if len(cluster.servers) > 1:
