@@ -8,9 +8,12 @@ binary is a failure, so CI never passes by skipping them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -28,3 +31,17 @@ def require_binaries(versions: Sequence[str]) -> Path:
     if os.environ.get("CI"):
         pytest.fail(f"{why} (CI is set: these tests must run)")
     pytest.skip(why)
+
+
+def upstream_comparison() -> ModuleType:
+    """``scripts/upstream_comparison.py`` as a module (registered, so its dataclasses
+    work; loaded once for every test module that uses it)."""
+    name = "mvproxy_script_upstream_comparison"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "scripts" / "upstream_comparison.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
