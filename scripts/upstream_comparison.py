@@ -1408,6 +1408,32 @@ def _first(timeline: Sequence[Sample], predicate: Callable[[Sample], bool]) -> S
     return next((s for s in timeline if predicate(s)), None)
 
 
+def _schema(run: Run) -> bool:
+    """Whether the old server's OpenAPI document of the scenario resource's
+    group/version held its schema."""
+    name = f"OpenAPI v3 `/openapi/v3/apis/{run.new_only.group}/{run.new_only.version}`"
+    return any(st.name == name and st.note.endswith("schema present") for st in run.requests)
+
+
+def _openapi_summary(pairs: Sequence[tuple[Run, Run]]) -> str:
+    index = [(b, m) for b, m in pairs
+             for sb, sm in zip(b.requests, m.requests, strict=True)
+             if sb.name.startswith("OpenAPI v3 index") and sb.note != sm.note]
+    text = ("The OpenAPI v3 index lists a group/version only the new server serves only "
+            "through mvproxy. " if index else "")
+    theirs = [b for b, _ in pairs if _schema(b)]
+    ours = [m for _, m in pairs if _schema(m)]
+    text += ("A new-only resource in a group/version both serve: the old server's "
+             "`/openapi/v3/apis/<g>/<v>` holds its schema "
+             + ("with both proxies" if len(theirs) == len(pairs) == len(ours) else
+                "through mvproxy only (it adds the peer's paths and schemas to the "
+                "backend's document), so `kubectl explain` of it fails through the old "
+                "server with the built-in proxy" if len(ours) == len(pairs) and not theirs
+                else f"built-in {len(theirs)}/{len(pairs)}, mvproxy {len(ours)}/{len(pairs)}")
+             + " (`kubectl apply` works either way: validation is server-side).")
+    return text
+
+
 def render_summary(runs: Sequence[Run]) -> str:
     """The headline: what differs, per topic, with the numbers of this run."""
     pairs = _pairs(runs)
@@ -1449,9 +1475,19 @@ def render_summary(runs: Sequence[Run]) -> str:
 
     diffs = sum(len(compare_discovery(b.discovery[sid][path], m.discovery[sid][path]))
                 for b, m in pairs for sid in (OLD, NEW) for path in ("apis", "api"))
-    legacy = [(st.name, st.seen.describe(), sm.seen.describe()) for b, m in pairs
-              for st, sm in zip(b.requests, m.requests, strict=True)
-              if st.name.startswith("legacy") and st.seen.status != sm.seen.status]
+    legacy = []
+    for b, m in pairs:
+        for st, sm in zip(b.requests, m.requests, strict=True):
+            if not st.name.startswith("legacy discovery"):
+                continue
+            path = st.name.removeprefix("legacy discovery ")
+            if st.seen.status != sm.seen.status:
+                legacy.append(f"{path}: {st.seen.describe()} built-in, "
+                              f"{sm.seen.describe()} mvproxy")
+            elif st.note != sm.note and st.seen.kind == "APIResourceList":
+                extra = sorted(set(sm.note.split(": ", 1)[1].split(", "))
+                               - set(st.note.split(": ", 1)[1].split(", ")))
+                legacy.append(f"{path} lists {', '.join(extra)} only through mvproxy")
     add(f"* **Discovery.** The merged aggregated v2 `/apis` and `/api` are "
         f"{'identical' if not diffs else f'different in {diffs} places'} group by group, "
         "version by version, resource by resource, through both servers of both pairs, "
@@ -1460,14 +1496,8 @@ def render_summary(runs: Sequence[Run]) -> str:
         "answers the old server's own legacy `APIGroupList`; mvproxy answers merged "
         "v2beta1), protobuf (upstream merges it; mvproxy answers JSON, the client's "
         "next choice)"
-        + (", and legacy `/apis/<g>/<v>` of a group/version only the new server serves ("
-           + "; ".join(f"{n.removeprefix('legacy discovery ')}: {x} built-in, {y} mvproxy"
-                       for n, x, y in legacy) + ")" if legacy else "")
-        + ". The OpenAPI v3 index lists a new-only group/version only through mvproxy; a "
-        "new-only *resource* in a group/version both serve has no schema in the old "
-        "server's `/openapi/v3/apis/<g>/<v>` with either proxy, so `kubectl explain` of "
-        "it fails through the old server with both (`kubectl apply` works: validation is "
-        "server-side).")
+        + (", and legacy discovery (" + "; ".join(legacy) + ")" if legacy else "")
+        + ". " + _openapi_summary(pairs))
 
     costs = []
     for b, m in pairs:
