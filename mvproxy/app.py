@@ -206,7 +206,7 @@ def _dns_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None]
 
 def _lease_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None],
                       backend_ssl: SwappableContext) -> LeaseMembership | None:
-    """Lease membership talks to the backend as a front proxy (README "Membership"),
+    """Lease membership talks to the backend as a front proxy (docs/membership.md),
     with the backend client certificate in use now (it rotates with the others)."""
     leases = cfg.membership.leases
     if not leases.enabled:

@@ -1,6 +1,6 @@
 """``GET /api``, ``/apis`` and ``/apis/<g>``: the merged (peer-aggregated) discovery.
 
-Which view a client gets (DESIGN.md, "Request decision" step 2):
+Which view a client gets (docs/routing.md, "Merged discovery"):
 
 - from a peer, or with ``profile=nopeer`` (JSON or protobuf): the backend's own
   answer, forwarded (a peer polling us must see our backend, not our merge of it);

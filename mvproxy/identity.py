@@ -1,6 +1,6 @@
 """Who the downstream is, and which identity headers go upstream.
 
-Three kinds of downstream (DESIGN.md "Identity"):
+Three kinds of downstream (docs/architecture.md, "Identity model"):
 
 - a **peer**: its client certificate was issued by the *peer client CA* (a CA that
   signs only proxies, kubeadm's front-proxy CA) *and* its CN is one of

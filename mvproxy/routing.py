@@ -1,4 +1,4 @@
-"""Where a request goes: the decision order of DESIGN.md, as a pure function.
+"""Where a request goes: the decision order of docs/routing.md, as a pure function.
 
 ``decide`` reads one ``CacheView`` and the request's ``RequestInfo`` and returns a
 ``Decision``; it does no I/O, so it is table-tested without sockets and can move

@@ -6,7 +6,7 @@ certificate and, here, user certificates; the front-proxy CA signs only the
 unrelated PKI provides look-alike certificates whose CAs have the *same names* but
 other keys: only the signature tells them apart.
 
-Expectations, from DESIGN.md "Identity": peers are proven by a CA that signs only
+Expectations, from docs/security.md "Identity": peers are proven by a CA that signs only
 proxies, so a *cluster-CA* certificate named like a peer (the CSR API can issue one)
 is an ordinary USER; a certificate with several CNs identifies nobody.
 """

@@ -1,4 +1,4 @@
-"""routing.decide: the request decision of DESIGN.md as a table, over real snapshots.
+"""routing.decide: the decision order of docs/routing.md as a table, over real snapshots.
 
 The backend is a 1.35 server and the peers 1.36 (or the reverse for a downgrade):
 1.35 serves ``scheduling.k8s.io/v1alpha1`` (``workloads``), 1.36 replaces it with
