@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import resource
@@ -38,6 +37,7 @@ from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
 from mvproxy.listener import Limits, Listener
+from mvproxy.live import LiveSettings
 from mvproxy.logs import kv
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
@@ -176,14 +176,11 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
                     metrics=metrics, on_failure=stopped_answering, wake=membership_changed)
-    retry_after = max(1, math.ceil(cfg.discovery.poll_interval))
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
-                                 metrics=metrics, probe_timeout=cfg.timeouts.request,
-                                 max_bytes=cfg.discovery.max_document_bytes,
-                                 retry_after=retry_after, peers=peers)
+                                 metrics=metrics, live=LiveSettings.of(cfg), peers=peers)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
-                  rng=rng or random.Random(), retry_after=retry_after)
+                  rng=rng or random.Random())
     limits = Limits(header_read_timeout=cfg.listener.header_read_timeout,
                     idle_timeout=cfg.listener.idle_timeout,
                     max_header_bytes=cfg.listener.max_header_bytes,

@@ -46,6 +46,7 @@ from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
+from mvproxy.live import LiveSettings
 from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
@@ -87,9 +88,8 @@ class DiscoveryHandler:
     transport: Transport
     backend: Upstream
     metrics: Metrics
-    probe_timeout: float
-    max_bytes: int
-    retry_after: int
+    live: LiveSettings
+    """Retry-After, probe timeout and document limit: a reload changes them in place."""
     peers: Callable[[], Mapping[str, Upstream]] = dict
     """The current peers (to authorize at one while the backend is down)."""
     _probe_etags: dict[str, str] = field(default_factory=dict)
@@ -175,11 +175,11 @@ class DiscoveryHandler:
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers),
                                                 exchange.target, headers=headers,
-                                                timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                        idempotent=True)
             exchange.respond(failure.status, failure.fields, failure.body)
             return
@@ -201,7 +201,7 @@ class DiscoveryHandler:
                                      headers, long_running=False)
         except ForwardError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+            answer = upstream_failure(exc.cause, "the backend API server", self.live.retry_after,
                                       idempotent=exchange.method in forwarding.IDEMPOTENT)
             exchange.respond(answer.status, answer.fields, answer.body)
 
@@ -228,13 +228,13 @@ class DiscoveryHandler:
         from_backend = True
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
-                                                headers=headers, timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                headers=headers, timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
             at_peer = await self._authorize_at_peer(exchange, target, exc)
             if at_peer is None:
-                failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                            idempotent=exchange.method in forwarding.IDEMPOTENT)
                 exchange.respond(failure.status, failure.fields, failure.body)
                 return False
@@ -271,8 +271,8 @@ class DiscoveryHandler:
             headers["Accept"] = discovery.PEER_ACCEPT
             try:
                 return await self.transport.fetch(upstream, target, headers=headers,
-                                                  timeout=self.probe_timeout,
-                                                  max_bytes=self.max_bytes)
+                                                  timeout=self.live.probe_timeout,
+                                                  max_bytes=self.live.max_document_bytes)
             except UpstreamError as exc:
                 throttled.warning(log, "peer discovery probe failed", peer=peer_id,
                                   error=str(exc)[:300])

@@ -119,5 +119,5 @@ def _apply(daemon: Any, cfg: Config) -> None:
     daemon.cache.forget_after = cfg.discovery.forget_after
     for transport in (daemon.transport, daemon.poll_transport):
         transport.set_timeouts(connect=cfg.timeouts.connect, request=cfg.timeouts.request)
-    daemon.proxy.discovery.probe_timeout = cfg.timeouts.request
+    daemon.proxy.discovery.live.update(cfg)
     logs.set_verbosity(cfg.logging.verbosity)
