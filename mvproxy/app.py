@@ -19,16 +19,16 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from mvproxy import reload
+from mvproxy import logs, reload
 from mvproxy.admin import build_admin_app, metrics_app, metrics_handler
 from mvproxy.cache import DiscoveryCache
 from mvproxy.certreload import CertificateReloader, DaemonTLS
-from mvproxy.config import Config
+from mvproxy.config import Config, DiscoveryConfig, StaticPeer, TimeoutsConfig
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.dnsmembership import DNSMembership
 from mvproxy.errors import UsageError
@@ -77,6 +77,38 @@ class Daemon:
     """Lease membership (``peers.leases``): run beside the poller, released on shutdown."""
     dns: DNSMembership | None = None
     """DNS membership (``peers.dns``): run beside the poller."""
+
+    # What a reload may change (``reload.Reloadable``); each records its section.
+
+    @property
+    def peers_reachable(self) -> bool:
+        return self.peer_ssl is not None
+
+    def set_peers(self, peers: Sequence[StaticPeer]) -> None:
+        self.membership.update(Peer(p.server_id, p.url) for p in peers)
+        self.config = replace(self.config, membership=replace(self.config.membership,
+                                                              static=tuple(peers)))
+
+    def set_discovery(self, discovery: DiscoveryConfig) -> None:
+        self.poller.settings = replace(self.poller.settings, interval=discovery.poll_interval,
+                                       timeout=discovery.timeout,
+                                       max_bytes=discovery.max_document_bytes)
+        self.cache.stale_after = discovery.stale_after
+        self.cache.forget_after = discovery.forget_after
+        self.config = replace(self.config, discovery=discovery)
+        self.proxy.discovery.live.update(self.config)
+
+    def set_timeouts(self, timeouts: TimeoutsConfig) -> None:
+        """The shutdown settings are read from ``config`` when a signal comes."""
+        for transport in (self.transport, self.poll_transport):
+            transport.set_timeouts(connect=timeouts.connect, request=timeouts.request)
+        self.config = replace(self.config, timeouts=timeouts)
+        self.proxy.discovery.live.update(self.config)
+
+    def set_verbosity(self, verbosity: int) -> None:
+        logs.set_verbosity(verbosity)
+        self.config = replace(self.config, logging=replace(self.config.logging,
+                                                           verbosity=verbosity))
 
 
 BACKEND_SILENT = frozenset(("timeout", "connect"))
