@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import logging
 import socket
 import ssl
@@ -230,6 +231,10 @@ class Exchange:
         return self.conn.client_address
 
     @property
+    def connection_id(self) -> int:
+        return self.conn.id
+
+    @property
     def has_body(self) -> bool:
         return self.chunked or bool(self.body_length)
 
@@ -411,6 +416,9 @@ class Exchange:
 # --------------------------------------------------------------------------- connection
 
 
+_connection_ids = itertools.count(1)
+
+
 class DownstreamConnection(FlowControl):
     """One client connection: parses requests, runs the handler for each in turn."""
 
@@ -418,6 +426,9 @@ class DownstreamConnection(FlowControl):
         self._flow_init()
         self.listener = listener
         self.loop = listener.loop
+        self.id = next(_connection_ids)
+        """Unique in the process (never reused): what handlers may key per-connection
+        state by, without holding the connection."""
         self.downstream: Downstream = listener.anonymous
         self.client_address = ""
         self.raw_client_address = b""
@@ -436,8 +447,6 @@ class DownstreamConnection(FlowControl):
         self._active: Exchange | None = None
         self._queue: deque[Exchange] = deque()
         self._task: asyncio.Task | None = None
-        self.credentials_memo: tuple[tuple[bytes, ...], bytes] | None = None
-        """(credential header lines, their hash) of the last request (discovery's memo)."""
         self._upgrading: Exchange | None = None
         self._next_waiting = False
         self._fed_body = self._framing_bytes = 0
