@@ -52,6 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -107,6 +108,17 @@ class Limits:
 
 
 Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
+
+
+class Deadline(StrEnum):
+    """What a connection's one deadline waits for (``DownstreamConnection.deadline``)."""
+
+    HEAD = "head"
+    """A request head (``headerReadTimeout``, from its first byte; the TLS handshake too)."""
+    BODY = "body"
+    """The next byte of a request body (``headerReadTimeout``)."""
+    IDLE = "idle"
+    """The next request on a keep-alive connection (``idleTimeout``)."""
 
 
 class BadRequest(Exception):
@@ -442,7 +454,7 @@ class DownstreamConnection(FlowControl):
         self._in_head = False
         self._head_bytes = 0
         self._tail = b""
-        self._deadline_kind = "head"
+        self._deadline_kind = Deadline.HEAD
         self._parsing: Exchange | None = None
         self._active: Exchange | None = None
         self._queue: deque[Exchange] = deque()
@@ -470,7 +482,7 @@ class DownstreamConnection(FlowControl):
         self.downstream = self.listener.resolve_identity(der)
         self.listener.opened(self)
         # The first request head is due like any other (Go's ReadHeaderTimeout).
-        self._expect("head", self.listener.limits.header_read_timeout)
+        self._expect(Deadline.HEAD, self.listener.limits.header_read_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -513,7 +525,7 @@ class DownstreamConnection(FlowControl):
         if not self._in_head and self._parsing is None:
             self._in_head = True
             self._head_bytes, self._tail = 0, b""
-            self._expect("head", self.listener.limits.header_read_timeout)
+            self._expect(Deadline.HEAD, self.listener.limits.header_read_timeout)
         if self._in_head and self._count_head(data):
             return
         body = self._parsing
@@ -573,7 +585,7 @@ class DownstreamConnection(FlowControl):
 
     def on_message_begin(self) -> None:
         self._in_head = True
-        self._expect("head", self.listener.limits.header_read_timeout)  # pipelined ones too
+        self._expect(Deadline.HEAD, self.listener.limits.header_read_timeout)  # pipelined ones too
         self._url.clear()
         self._fields = []
         self._framing = []
@@ -629,18 +641,18 @@ class DownstreamConnection(FlowControl):
         if exchange.body_complete:
             self.deadline = 0.0
         else:
-            self._expect("body", self.listener.limits.header_read_timeout)
+            self._expect(Deadline.BODY, self.listener.limits.header_read_timeout)
         # Dispatched by ``data_received`` once the whole read is parsed, never from here.
 
     def on_body(self, body: bytes) -> None:
         self._fed_body += len(body)
         if self._parsing is not None:
-            self._expect("body", self.listener.limits.header_read_timeout)
+            self._expect(Deadline.BODY, self.listener.limits.header_read_timeout)
             self._parsing._body(body)
 
     def on_message_complete(self) -> None:
         exchange, self._parsing = self._parsing, None
-        if self._deadline_kind == "body":
+        if self._deadline_kind is Deadline.BODY:
             self.deadline = 0.0
         if exchange is not None:
             # llhttp reports trailer fields as headers after the body; they are not
@@ -736,9 +748,9 @@ class DownstreamConnection(FlowControl):
             self._idle()
 
     def _idle(self) -> None:
-        self._expect("idle", self.listener.limits.idle_timeout)
+        self._expect(Deadline.IDLE, self.listener.limits.idle_timeout)
 
-    def _expect(self, kind: str, seconds: float) -> None:
+    def _expect(self, kind: Deadline, seconds: float) -> None:
         """Something (a head, a body byte, a request) must come within ``seconds``."""
         self._deadline_kind = kind
         self.deadline = self.loop.time() + seconds
@@ -849,11 +861,11 @@ class DownstreamConnection(FlowControl):
             return
         timeout = self.listener.limits.header_read_timeout
         kind = self._deadline_kind
-        if kind == "head" and self._in_head:
+        if kind is Deadline.HEAD and self._in_head:
             self._refuse(Refusal(408, f"the request head did not arrive within {timeout:g}s"))
-        elif kind == "body" and self._parsing is not None:
+        elif kind is Deadline.BODY and self._parsing is not None:
             if self._paused_by:
-                self._expect("body", timeout)  # mvproxy stopped reading, not the client
+                self._expect(Deadline.BODY, timeout)  # mvproxy stopped reading, not the client
             else:
                 self._refuse(Refusal(408, f"no request body byte for {timeout:g}s"))
         elif self._active is None and self._parsing is None and not self._queue \
