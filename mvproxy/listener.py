@@ -11,6 +11,9 @@ What this module owns, and nothing above it does:
   within ``headerReadTimeout``, an idle keep-alive connection is closed after
   ``idleTimeout``, a head larger than ``maxHeaderBytes`` gets 431. Deadlines are plain
   numbers checked by one sweep per listener, not a timer object per request;
+- **state**: what a connection's next bytes are is one ``State`` (idle, head,
+  body, upgrading, tunnel, refused, closing, closed), changed only along
+  ``TRANSITIONS`` (``tests/test_listener.py`` drives them byte by byte);
 - **parsing** each request into an ``Exchange`` (plain values: method, raw target,
   decoded path, query, header fields, the connection's verified identity) and running
   the handler for it; requests pipelined behind it wait their turn. A request is
@@ -52,7 +55,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -110,6 +113,43 @@ class Limits:
 Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
 
 
+class State(Enum):
+    """What the next bytes from a downstream connection are (its read side); answers
+    go out in request order whatever the state (``_next``). ``TRANSITIONS`` lists
+    every change a connection may make."""
+
+    IDLE = "idle"
+    """Between requests (or before the first): the next byte starts a request head."""
+    HEAD = "head"
+    """A request head is arriving; its bytes are counted against ``maxHeaderBytes``."""
+    BODY = "body"
+    """A request head ended: its body, if any, is arriving."""
+    UPGRADING = "upgrading"
+    """An upgrade request's head ended: later bytes are held, unparsed, for a tunnel."""
+    TUNNEL = "tunnel"
+    """A ``101`` went out: every byte goes to the tunnel (``take_over``)."""
+    REFUSED = "refused"
+    """A refusal ended parsing: later bytes are read and discarded (``_refuse``)."""
+    CLOSING = "closing"
+    """``close``/``abort`` was called: later bytes are discarded."""
+    CLOSED = "closed"
+    """The transport is gone."""
+
+
+_ENDING = frozenset((State.CLOSING, State.CLOSED))
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.IDLE: frozenset((State.HEAD, State.REFUSED)) | _ENDING,
+    State.HEAD: frozenset((State.BODY, State.REFUSED)) | _ENDING,
+    State.BODY: frozenset((State.IDLE, State.UPGRADING, State.REFUSED)) | _ENDING,
+    State.UPGRADING: frozenset((State.TUNNEL, State.REFUSED)) | _ENDING,
+    State.TUNNEL: _ENDING,
+    State.REFUSED: _ENDING,
+    State.CLOSING: frozenset((State.CLOSED,)),
+    State.CLOSED: frozenset(),
+}
+"""The state changes a downstream connection makes; anything else is a bug."""
+
+
 class Deadline(StrEnum):
     """What a connection's one deadline waits for (``DownstreamConnection.deadline``)."""
 
@@ -119,6 +159,10 @@ class Deadline(StrEnum):
     """The next byte of a request body (``headerReadTimeout``)."""
     IDLE = "idle"
     """The next request on a keep-alive connection (``idleTimeout``)."""
+
+
+class _Ended(Exception):
+    """Raised in a parser callback to stop parsing a connection that is closing."""
 
 
 class BadRequest(Exception):
@@ -447,11 +491,12 @@ class DownstreamConnection(FlowControl):
         """The downstream's IP address, appended to ``X-Forwarded-For`` upstream."""
         self.deadline = 0.0
         self.closing = False
+        """Ending: the current answer says ``Connection: close``, no other starts."""
+        self.state = State.IDLE
         self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._fields: wire.RawFields = []
         self._framing: list[tuple[bytes, str]] = []
-        self._in_head = False
         self._head_bytes = 0
         self._tail = b""
         self._deadline_kind = Deadline.HEAD
@@ -466,8 +511,6 @@ class DownstreamConnection(FlowControl):
         self._eof_sink: Callable[[], None] | None = None
         self._feeding = False
         """llhttp is parsing a read: nothing is dispatched until its verdict on all of it."""
-        self._refused = False
-        """A refusal ended parsing: whatever else the client sends is discarded."""
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -486,6 +529,8 @@ class DownstreamConnection(FlowControl):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        if self.state is not State.CLOSED:
+            self._to(State.CLOSED)
         self.listener.closed(self)
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
@@ -517,16 +562,18 @@ class DownstreamConnection(FlowControl):
             return
         if self._parser is None:
             return  # the connection ended (``_release``)
-        if self._upgrading is not None:
+        state = self.state
+        if state is State.UPGRADING:
+            assert self._upgrading is not None
             self._early_bytes(self._upgrading, data)
             return
-        if self._refused:
+        if state is State.REFUSED or state is State.CLOSING:
             return
-        if not self._in_head and self._parsing is None:
-            self._in_head = True
+        if state is State.IDLE:
+            self._to(State.HEAD)
             self._head_bytes, self._tail = 0, b""
             self._expect(Deadline.HEAD, self.listener.limits.header_read_timeout)
-        if self._in_head and self._count_head(data):
+        if self.state is State.HEAD and self._count_head(data):
             return
         body = self._parsing
         self._fed_body = 0
@@ -542,8 +589,9 @@ class DownstreamConnection(FlowControl):
             self._refuse(bad.refusal)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            self._refuse(cause.refusal if isinstance(cause, BadRequest)
-                         else Refusal(400, "the request could not be parsed"))
+            if not isinstance(cause, _Ended):
+                self._refuse(cause.refusal if isinstance(cause, BadRequest)
+                             else Refusal(400, "the request could not be parsed"))
         except httptools.HttpParserError as exc:
             self._refuse(_parse_refusal(exc))
         finally:
@@ -584,7 +632,10 @@ class DownstreamConnection(FlowControl):
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
-        self._in_head = True
+        if self.state in _ENDING:
+            raise _Ended  # closed while this read was parsed: nothing more is read
+        if self.state is not State.HEAD:  # a head pipelined in the same read
+            self._to(State.HEAD)
         self._expect(Deadline.HEAD, self.listener.limits.header_read_timeout)  # pipelined ones too
         self._url.clear()
         self._fields = []
@@ -603,7 +654,9 @@ class DownstreamConnection(FlowControl):
             self._framing.append((name.lower(), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        if self.state in _ENDING:
+            raise _Ended
+        self._to(State.BODY)
         self._head_bytes, self._tail = 0, b""  # a head pipelined behind counts afresh
         self._framing_bytes = 0
         parser = cast(httptools.HttpRequestParser, self._parser)  # parsing: not released
@@ -632,6 +685,7 @@ class DownstreamConnection(FlowControl):
         if exchange.upgrade:
             exchange._early = bytearray()
             self._upgrading = exchange
+            self._to(State.UPGRADING)
         self._parsing = exchange
         self._queue.append(exchange)
         if len(self._queue) > MAX_PIPELINED:
@@ -652,6 +706,8 @@ class DownstreamConnection(FlowControl):
 
     def on_message_complete(self) -> None:
         exchange, self._parsing = self._parsing, None
+        if self.state is State.BODY:  # UPGRADING stays: nothing more is parsed
+            self._to(State.IDLE)
         if self._deadline_kind is Deadline.BODY:
             self.deadline = 0.0
         if exchange is not None:
@@ -744,11 +800,16 @@ class DownstreamConnection(FlowControl):
             return
         if self._queue:
             self._next()
-        elif not self._in_head:
+        elif self.state is not State.HEAD:
             self._idle()
 
     def _idle(self) -> None:
         self._expect(Deadline.IDLE, self.listener.limits.idle_timeout)
+
+    def _to(self, state: State) -> None:
+        """The one place the state changes; ``TRANSITIONS`` says what may follow what."""
+        assert state in TRANSITIONS[self.state], f"{self.state.name} -> {state.name}"
+        self.state = state
 
     def _expect(self, kind: Deadline, seconds: float) -> None:
         """Something (a head, a body byte, a request) must come within ``seconds``."""
@@ -769,9 +830,11 @@ class DownstreamConnection(FlowControl):
           goes on, discarding, so a client that leaves still ends its request.
         - No request is active: the refusal is written, then the connection closes.
         """
+        if self.state in _ENDING:
+            return  # closed already (the handler ended it while its body was parsed)
         log.log(V(3), "request refused", extra=kv(status=refusal.status, reason=refusal.message))
         self.listener.refused(refusal.status)
-        self._refused = True
+        self._to(State.REFUSED)
         self.deadline = 0.0
         self._queue.clear()
         parsing, self._parsing = self._parsing, None
@@ -804,6 +867,8 @@ class DownstreamConnection(FlowControl):
 
     def switch(self, sink: Callable[[bytes], None]) -> None:
         """Raw mode: bytes go to ``sink`` from now on (a tunnel)."""
+        if self.state not in _ENDING:  # else the client left first: nothing will come
+            self._to(State.TUNNEL)
         self._raw_sink = sink
         self.deadline = 0.0
         self.resume_reading("upgrade")
@@ -818,11 +883,15 @@ class DownstreamConnection(FlowControl):
     def close(self) -> None:
         """Close after what was written is flushed."""
         self.closing = True
+        if self.state not in _ENDING:
+            self._to(State.CLOSING)
         if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
         self.closing = True
+        if self.state not in _ENDING:
+            self._to(State.CLOSING)
         if self.transport is not None:
             self.transport.abort()
 
@@ -857,11 +926,11 @@ class DownstreamConnection(FlowControl):
         return False
 
     def expired(self, now: float) -> None:
-        if self._raw_sink is not None or self.closing or self._refused:
+        if self.closing or self.state in _QUIET:
             return
         timeout = self.listener.limits.header_read_timeout
         kind = self._deadline_kind
-        if kind is Deadline.HEAD and self._in_head:
+        if kind is Deadline.HEAD and self.state is State.HEAD:
             self._refuse(Refusal(408, f"the request head did not arrive within {timeout:g}s"))
         elif kind is Deadline.BODY and self._parsing is not None:
             if self._paused_by:
@@ -869,8 +938,12 @@ class DownstreamConnection(FlowControl):
             else:
                 self._refuse(Refusal(408, f"no request body byte for {timeout:g}s"))
         elif self._active is None and self._parsing is None and not self._queue \
-                and not self._in_head:
+                and self.state is not State.HEAD:
             self.close()  # idle, or never sent a byte: nothing to say
+
+
+_QUIET = frozenset((State.TUNNEL, State.REFUSED)) | _ENDING
+"""States without a deadline of their own: a tunnel's bytes are not HTTP."""
 
 
 def release_free_memory() -> None:
