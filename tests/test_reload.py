@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from mvproxy import logs, reload
+from mvproxy import reload
 from mvproxy.app import Daemon, _drain, _shutdown_delay, build_daemon
 from mvproxy.cache import Snapshot
 from mvproxy.configfile import load_config
@@ -166,10 +166,12 @@ def test_every_live_path_has_a_probe():
 
 @pytest.fixture
 def verbosity():
-    root_level = logging.getLogger().level
+    """The log levels a verbosity change sets, restored as they were."""
+    names = ("", "aiohttp", "asyncio")
+    levels = [logging.getLogger(name).level for name in names]
     yield
-    logs.set_verbosity(2)
-    logging.getLogger().setLevel(root_level)
+    for name, level in zip(names, levels, strict=True):
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.mark.parametrize("path", sorted(PROBES))
