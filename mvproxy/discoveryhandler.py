@@ -46,6 +46,7 @@ from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
+from mvproxy.live import LiveSettings
 from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
@@ -58,27 +59,55 @@ AUTHORIZED_TTL = 10.0
 AUTHORIZED_MAX = 10_000
 """Credential sets remembered at most (oldest forgotten first)."""
 MEMO_MAX_BYTES = 16 * 1024
-"""Credentials larger than this are hashed on every request rather than kept on the
-connection (a token is a few KiB; the head limit allows a MiB per idle connection)."""
+"""Credentials larger than this are hashed on every request rather than remembered
+(a token is a few KiB; the head limit allows a MiB per request)."""
 
 
-def _credentials_key(exchange: Exchange) -> bytes:
-    """Who is asking: the connection's identity and every credential header, hashed
-    (once per connection while its credentials stay the same)."""
-    credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
-                        if name[:1] in b"aAiI"
-                        and name.lower().startswith((b"authorization", b"impersonate-")))
-    memo = exchange.conn.credentials_memo
-    if memo is not None and memo[0] == credentials:
-        return memo[1]
-    digest = hashlib.sha256(repr((exchange.downstream.kind, exchange.downstream.user,
-                                  exchange.downstream.groups)).encode())
-    for credential in credentials:
-        digest.update(credential + b"\0")
-    key = digest.digest()
-    if sum(map(len, credentials)) <= MEMO_MAX_BYTES:  # an idle connection holds it
-        exchange.conn.credentials_memo = (credentials, key)
-    return key
+MEMO_CONNECTIONS = 1024
+"""Connections whose last credentials' hash is remembered (oldest forgotten first)."""
+
+
+class CredentialsMemo:
+    """Who is asking, as a hash of the connection's identity and every credential header,
+    computed once per connection while its credentials stay the same (a client sends
+    the same token on every request of a connection).
+
+    Each connection has its own entry, under its ``connection_id`` (never reused in a
+    process), and an entry answers only for the same credential lines: the hash of one
+    connection (its TLS identity is in it) never stands for another's request."""
+
+    __slots__ = ("_by_connection", "_max")
+
+    def __init__(self, max_connections: int = MEMO_CONNECTIONS):
+        self._by_connection: OrderedDict[int, tuple[tuple[bytes, ...], bytes]] = OrderedDict()
+        self._max = max_connections
+
+    def key(self, exchange: Exchange) -> bytes:
+        credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
+                            if name[:1] in b"aAiI"
+                            and name.lower().startswith((b"authorization", b"impersonate-")))
+        connection = exchange.connection_id
+        memo = self._by_connection.get(connection)
+        if memo is not None and memo[0] == credentials:
+            self._by_connection.move_to_end(connection)
+            return memo[1]
+        downstream = exchange.downstream
+        digest = hashlib.sha256(repr((downstream.kind, downstream.user,
+                                      downstream.groups)).encode())
+        for credential in credentials:
+            digest.update(credential + b"\0")
+        key = digest.digest()
+        if sum(map(len, credentials)) <= MEMO_MAX_BYTES:
+            self._by_connection[connection] = (credentials, key)
+            self._by_connection.move_to_end(connection)
+            while len(self._by_connection) > self._max:
+                self._by_connection.popitem(last=False)
+        else:
+            self._by_connection.pop(connection, None)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._by_connection)
 
 
 @dataclass
@@ -87,13 +116,13 @@ class DiscoveryHandler:
     transport: Transport
     backend: Upstream
     metrics: Metrics
-    probe_timeout: float
-    max_bytes: int
-    retry_after: int
+    live: LiveSettings
+    """Retry-After, probe timeout and document limit: a reload changes them in place."""
     peers: Callable[[], Mapping[str, Upstream]] = dict
     """The current peers (to authorize at one while the backend is down)."""
     _probe_etags: dict[str, str] = field(default_factory=dict)
     _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
+    credentials: CredentialsMemo = field(default_factory=CredentialsMemo)
     clock: Callable[[], float] = time.monotonic
 
     def handle_now(self, exchange: Exchange, info: RequestInfo) -> bool:
@@ -108,7 +137,7 @@ class DiscoveryHandler:
         view = self.cache.view()
         if not _answerable(view, path):
             return False
-        if self._authorized.get((_credentials_key(exchange), path), 0.0) <= self.clock():
+        if self._authorized.get((self.credentials.key(exchange), path), 0.0) <= self.clock():
             return False
         self._merged(exchange, view, negotiated, path)
         return True
@@ -175,11 +204,11 @@ class DiscoveryHandler:
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers),
                                                 exchange.target, headers=headers,
-                                                timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                        idempotent=True)
             exchange.respond(failure.status, failure.fields, failure.body)
             return
@@ -201,7 +230,7 @@ class DiscoveryHandler:
                                      headers, long_running=False)
         except ForwardError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+            answer = upstream_failure(exc.cause, "the backend API server", self.live.retry_after,
                                       idempotent=exchange.method in forwarding.IDEMPOTENT)
             exchange.respond(answer.status, answer.fields, answer.body)
 
@@ -210,7 +239,7 @@ class DiscoveryHandler:
         ``path``; else its refusal has been relayed. ``path`` is ``/api``, ``/apis``
         or a merged group's ``/apis/<g>`` (the memo stays bounded by the groups servers
         list, not by what clients send)."""
-        key = (_credentials_key(exchange), path)
+        key = (self.credentials.key(exchange), path)
         now = self.clock()
         if self._authorized.get(key, 0.0) > now:
             return True
@@ -228,13 +257,13 @@ class DiscoveryHandler:
         from_backend = True
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
-                                                headers=headers, timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                headers=headers, timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
             at_peer = await self._authorize_at_peer(exchange, target, exc)
             if at_peer is None:
-                failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                            idempotent=exchange.method in forwarding.IDEMPOTENT)
                 exchange.respond(failure.status, failure.fields, failure.body)
                 return False
@@ -271,8 +300,8 @@ class DiscoveryHandler:
             headers["Accept"] = discovery.PEER_ACCEPT
             try:
                 return await self.transport.fetch(upstream, target, headers=headers,
-                                                  timeout=self.probe_timeout,
-                                                  max_bytes=self.max_bytes)
+                                                  timeout=self.live.probe_timeout,
+                                                  max_bytes=self.live.max_document_bytes)
             except UpstreamError as exc:
                 throttled.warning(log, "peer discovery probe failed", peer=peer_id,
                                   error=str(exc)[:300])

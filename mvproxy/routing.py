@@ -55,19 +55,32 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from enum import StrEnum
 
 from mvproxy.cache import CacheView
 from mvproxy.requestinfo import RequestInfo
 
-BACKEND, PEER, DISCOVERY, UNAVAILABLE = "backend", "peer", "discovery", "unavailable"
-OPENAPI_INDEX = "openapi-index"
+
+class Route(StrEnum):
+    """Where a request goes. The values are the ``route`` label of the request metrics
+    and the word in logs: a member equals its string."""
+
+    BACKEND = "backend"
+    PEER = "peer"
+    DISCOVERY = "discovery"
+    UNAVAILABLE = "unavailable"
+    OPENAPI_INDEX = "openapi-index"
+
+
+BACKEND, PEER, DISCOVERY = Route.BACKEND, Route.PEER, Route.DISCOVERY
+UNAVAILABLE, OPENAPI_INDEX = Route.UNAVAILABLE, Route.OPENAPI_INDEX
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where to send one request, and why (the reason is for V(4) logs and tests)."""
 
-    route: str
+    route: Route
     reason: str
     peers: tuple[str, ...] = ()
     """For ``PEER``: candidates in the order to try; for ``UNAVAILABLE``: the capable peers."""

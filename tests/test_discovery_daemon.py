@@ -201,6 +201,29 @@ async def test_group_probe_asks_the_exact_path_and_a_yes_is_remembered(
         assert _backend_saw(c, f"/apis/{GADGETS}") == 1
 
 
+async def test_one_connections_yes_never_authorizes_another_connection(
+        aiohttp_server, root):
+    """The credentials memo is per connection: after the admin's certificate (no
+    token) is authorized for a group, a connection without a certificate or a token
+    sending the same (no) credential headers is still asked for, and refused by the
+    backend; so is a token that changes on a connection already authorized."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        path = f"/apis/{WIDGETS}"
+        for _ in range(2):  # the second time from the memo and the remembered yes
+            status, _, body = await c.get(path, who="admin")
+            assert status == 200 and json.loads(body)["kind"] == "APIGroup", body
+        assert _backend_saw(c, path) == 1
+        status, _, _ = await c.get(path, who="bearer")
+        assert status == 401
+        status, _, _ = await c.get(path, who="bearer", headers={"Authorization": "Bearer good"})
+        assert status == 200
+        for token in ("Bearer bad", "Bearer nodiscovery"):  # the same connection, pooled
+            status, _, _ = await c.get(path, who="bearer", headers={"Authorization": token})
+            assert status in (401, 403), token
+        assert len(c.daemon.proxy.discovery.credentials) <= 3
+
+
 async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
         aiohttp_server, root):
     """An attacker without (valid) credentials gets exactly the backend's refusal for a

@@ -373,3 +373,10 @@ def test_has_credentials(downstream, raw, upgrade, expected):
     """Without credentials routing never sends a request to a peer: only what an API
     server could authenticate counts, and a token counts whether or not it is valid."""
     assert has_credentials(downstream, raw, upgrade=upgrade) is expected
+
+
+def test_downstream_kinds_are_an_enum_that_keeps_its_words():
+    assert [(k.name, str(k)) for k in identity.Kind] == [
+        ("PEER", "peer"), ("USER", "user"), ("ANONYMOUS", "anonymous"), ("REFUSED", "refused")]
+    assert identity.ANONYMOUS_DOWNSTREAM.kind == "anonymous"
+    assert identity.ANONYMOUS_DOWNSTREAM.kind is identity.Kind.ANONYMOUS

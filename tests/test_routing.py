@@ -11,11 +11,14 @@ hand-made snapshots. Views come from a real ``DiscoveryCache`` driven by a fake 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Mapping
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
+from mvproxy import routing
 from mvproxy.cache import CacheView, DiscoveryCache
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
@@ -537,3 +540,20 @@ def test_decide_only_probes_indexes(method, path, credentials):
     got = decide(parse_request_info(method, path), probed, peer_proxied=False,
                  credentials=credentials, rng=random.Random(0))
     assert got == expected
+
+
+# --------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("route, word", [
+    ("BACKEND", "backend"), ("PEER", "peer"), ("DISCOVERY", "discovery"),
+    ("UNAVAILABLE", "unavailable"), ("OPENAPI_INDEX", "openapi-index")])
+def test_routes_are_an_enum_that_keeps_its_words(route, word):
+    """Metric labels, logs and JSON keep the words; a comparison with one still holds."""
+    member = routing.Route[route]
+    assert getattr(routing, route) is member
+    assert (member == word, str(member), f"{member}", json.dumps(member)) == (
+        True, word, word, f'"{word}"')
+    counter = Counter("t", "t", ["route"], registry=CollectorRegistry())
+    counter.labels(member).inc()
+    assert counter.labels(word)._value.get() == 1
