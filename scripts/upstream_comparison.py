@@ -1492,9 +1492,10 @@ def render_summary(runs: Sequence[Run]) -> str:
         f"{'identical' if not diffs else f'different in {diffs} places'} group by group, "
         "version by version, resource by resource, through both servers of both pairs, "
         "and equal the union of the servers' own views. What upstream does not merge "
-        "differs: aggregated v2beta1 (kube-apiserver 1.35+ no longer serves it and "
-        "answers the old server's own legacy `APIGroupList`; mvproxy answers merged "
-        "v2beta1), protobuf (upstream merges it; mvproxy answers JSON, the client's "
+        "differs: aggregated v2beta1 (kube-apiserver 1.33+ no longer serves it and "
+        "answers the old server's own legacy `APIGroupList`; mvproxy offers v2beta1 "
+        "only where its backend does, so it answers the merged legacy `APIGroupList`), "
+        "protobuf (upstream merges it; mvproxy answers JSON, the client's "
         "next choice)"
         + (", and legacy discovery (" + "; ".join(legacy) + ")" if legacy else "")
         + ". " + _openapi_summary(pairs))

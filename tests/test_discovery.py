@@ -481,6 +481,20 @@ def test_negotiate_group(accept, expected):
     assert negotiate(accept, aggregated=False) == expected
 
 
+@pytest.mark.parametrize(("accept", "expected"), [
+    pytest.param(KUBECTL_127.split(",")[0], NOT_ACCEPTABLE, id="v2beta1 alone: nothing left"),
+    pytest.param(KUBECTL_127, LEGACY, id="kubectl 1.27, v2beta1 then JSON: legacy"),
+    pytest.param(KUBECTL_130_TO_136, MERGED_V2, id="kubectl 1.30-1.36 still gets v2"),
+    pytest.param(f"{KUBECTL_127.split(',')[0]},{AGG_V2}", MERGED_V2, id="v2beta1 then v2: v2"),
+])
+def test_negotiate_for_a_backend_without_v2beta1(accept, expected):
+    """kube-apiserver 1.33+ no longer serves aggregated v2beta1 and takes the client's
+    next clause (measured on 1.35.4 and 1.36.3: v2beta1 alone is 406, then JSON the
+    legacy list): negotiated again so, mvproxy answers the same kind."""
+    assert negotiate(accept, v2beta1=False) == expected
+    assert negotiate(KUBECTL_127).api_version == "apidiscovery.k8s.io/v2beta1"
+
+
 def test_only_aggregated_v2_nopeer_counts_as_upstream_counts_it():
     """Upstream's wrapper.go counts profile=nopeer on a v2 aggregated clause, JSON or
     protobuf (aggregator_discovery_nopeer_requests_total in staging/src/k8s.io/

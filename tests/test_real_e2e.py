@@ -3,12 +3,13 @@ identity): 1.35.4 (the old server) and 1.36.3 (the new one) sharing one etcd, on
 mvproxy in front of each with the other as its static peer, and real clients through
 the *old* server's mvproxy.
 
-* Discovery: through every mvproxy, ``/api`` and ``/apis`` (aggregated v2, v2beta1
-  and the legacy documents, ``/apis/<g>`` and ``/apis/<g>/<v>`` included) are the
+* Discovery: through every mvproxy, ``/api`` and ``/apis`` (aggregated v2 and the
+  legacy documents, ``/apis/<g>`` and ``/apis/<g>/<v>`` included) are the
   union of the two servers' own discovery; ``profile=nopeer`` is the backend's own
   answer byte for byte; kubectl 1.35, 1.36 and 1.37 list the new-only resources
   through the old server's mvproxy and not straight from it; ETags, gzip and
-  protobuf as clients send them.
+  protobuf as clients send them; aggregated v2beta1, which these releases no longer
+  serve, answered as directly.
 * The new-only resource (MutatingAdmissionPolicies: computed from the two servers'
   own discovery, and the reason this pair is tested) created, got, listed, watched,
   patched three ways and deleted through the old server's mvproxy with kubectl 1.35;
@@ -315,19 +316,37 @@ def _in_relative_order(merged: list[str], own: list[str]) -> bool:
 
 
 @pytest.mark.parametrize("via", [OLD, NEW])
-@pytest.mark.parametrize("accept", [AGGREGATED_V2, AGGREGATED_V2BETA1],
-                         ids=["kubectl-v2", "kubectl-1.27-v2beta1"])
+@pytest.mark.parametrize("sent", [
+    KUBECTL_DISCOVERY_ACCEPT, AGGREGATED_V2BETA1, f"{AGGREGATED_V2BETA1},application/json",
+    f"{AGGREGATED_V2BETA1};profile=nopeer,application/json"],
+    ids=["kubectl-v2", "v2beta1-only", "v2beta1-then-json", "v2beta1-nopeer-then-json"])
+def test_v2beta1_is_answered_as_the_backend_answers_it(e2e: E2E, via: str,
+                                                       sent: str) -> None:
+    """kube-apiserver 1.35+ no longer serves aggregated v2beta1; mvproxy offers it only
+    while its backend does: the same status and kind as directly (merged where the kind
+    is merged, the backend's own answer with ``profile=nopeer``)."""
+    for path in ("/api", "/apis"):
+        own = request(e2e.cluster, via, "GET", path, headers={"Accept": sent}, direct=True)
+        answer = request(e2e.cluster, via, "GET", path, headers={"Accept": sent})
+        assert (answer.status, answer.headers["Content-Type"]) == \
+            (own.status, own.headers["Content-Type"]), (path, answer)
+        assert answer.json()["kind"] == own.json()["kind"]
+        if "nopeer" in sent:
+            assert answer.json() == own.json()
+
+
+@pytest.mark.parametrize("via", [OLD, NEW])
+@pytest.mark.parametrize("accept", [AGGREGATED_V2], ids=["kubectl-v2"])
 def test_aggregated_discovery_is_the_union_of_both_servers(e2e: E2E, via: str,
                                                            accept: str) -> None:
-    sent = KUBECTL_DISCOVERY_ACCEPT if accept == AGGREGATED_V2 else accept
+    sent = KUBECTL_DISCOVERY_ACCEPT
     for path in ("/api", "/apis"):
         own = {sid: _own(e2e, sid, path).json() for sid in (OLD, NEW)}
         answer = request(e2e.cluster, via, "GET", path, headers={"Accept": sent})
         assert answer.status == 200, answer
         assert answer.headers["Content-Type"] == accept  # exact, or kubectl sees nothing
         merged = answer.json()
-        assert merged["apiVersion"] == ("apidiscovery.k8s.io/v2" if accept == AGGREGATED_V2
-                                        else "apidiscovery.k8s.io/v2beta1")
+        assert merged["apiVersion"] == "apidiscovery.k8s.io/v2"
         got = _resources(merged)
         copies = {sid: _resources(doc) for sid, doc in own.items()}
         assert set(got) == set(copies[OLD]) | set(copies[NEW])
