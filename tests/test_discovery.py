@@ -227,8 +227,8 @@ def test_documents_for_the_wrong_path_are_rejected():
     pytest.param("1.36", ("", "v1", "pods", ""), True, id="core pods"),
     pytest.param("1.36", ("", "v1", "pods", "status"), True, id="core pods/status"),
     pytest.param("1.36", ("", "v1", "pods", "eviction"), True, id="core pods/eviction"),
-    # The catalogs' core group comes from one legacy /api/v1 document without resize.
-    pytest.param("1.36", ("", "v1", "pods", "resize"), False, id="core pods/resize not listed"),
+    pytest.param("1.36", ("", "v1", "pods", "resize"), True, id="core pods/resize"),
+    pytest.param("1.32", ("", "v1", "pods", "resize"), False, id="1.32 lacks pods/resize"),
     pytest.param("1.36", ("apps", "v1", "deployments", "scale"), True, id="apps deployments/scale"),
     pytest.param("1.34", ("resource.k8s.io", "v1alpha3", "devicetaintrules", ""), True,
                  id="1.34 serves devicetaintrules"),
