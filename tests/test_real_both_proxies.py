@@ -14,16 +14,13 @@ binaries these tests skip (fail under CI).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from e2e_support import audit_entries, metrics, request, wait_for_audit
 from real_support import require_binaries, upstream_comparison
 
-from mvproxy.devcluster.realdemo import RealCluster, member_host, start_real_cluster
-from mvproxy.errors import UsageError
+from mvproxy.devcluster.realdemo import RealCluster
 
 VERSIONS = ("1.35.4", "1.36.3")
 OLD, NEW = "apiserver-0", "apiserver-1"
@@ -37,22 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     binaries = require_binaries(VERSIONS)
     cmp = upstream_comparison()
     directory = tmp_path_factory.mktemp("both-proxies") / "demo"
-    pki = Path(directory).absolute() / "pki"
-    running = None
-    for _ in range(20):  # the peer flags name each kube-apiserver's port: fixed ports
-        base = random.randrange(30000, 40000, 10)
-        extra = {f"apiserver-{i}": cmp.builtin_flags(pki, member_host(i), base + 100 + i)
-                 for i in range(len(VERSIONS))}
-        try:
-            running = start_real_cluster(directory, VERSIONS, base, binaries=binaries,
-                                         extra_apiserver_args=extra)
-            break
-        except UsageError as e:
-            if "in use" not in str(e):
-                raise
-    assert running is not None, "no free ports for both proxies"
-    with running:
-        cmp.wait_builtin_synced(running)
+    with cmp.start_pair(directory, VERSIONS, cmp.BOTH, binaries=binaries) as running:
         yield running
 
 
@@ -126,3 +108,12 @@ def test_straight_at_the_old_server_the_built_in_proxy_still_answers(
         assert (got.status, got.json()["metadata"]["uid"]) == (200, made.json()["metadata"]["uid"])
     finally:
         request(cluster, OLD, "DELETE", f"{MAP_PATH}/{name}")
+
+
+def test_the_comparisons_row_says_the_same(cluster: RealCluster) -> None:
+    """``scripts/upstream_comparison.py``'s "Both proxies at once" row, on this cluster."""
+    both = upstream_comparison().both_proxies(cluster, VERSIONS)
+    assert both.via_mvproxy.startswith("create 201"), both
+    assert (both.new_creates, both.old_entries, both.old_rerouted) == (1, 0, 0), both
+    assert both.mvproxy_rerouted >= 2, both  # the create and the get
+    assert both.direct.startswith("201") and both.direct_rerouted == 1, both
