@@ -1464,7 +1464,7 @@ def render_both(boths: Sequence[Both]) -> str:
            "the old kube-apiserver still gets the built-in proxy.\n",
            "| pair | through the old mvproxy | the new server's creates | the old server's "
            "entries | rerouted: old mvproxy / old kube-apiserver | the new server's audit "
-           "| straight at the old kube-apiserver |",
+           "of the get | straight at the old kube-apiserver |",
            "|---|---|---|---|---|---|---|"]
     for b in boths:
         out.append(
