@@ -4,7 +4,12 @@ Which view a client gets (docs/routing.md, "Merged discovery"):
 
 - from a peer, or with ``profile=nopeer`` (JSON or protobuf): the backend's own
   answer, forwarded (a peer polling us must see our backend, not our merge of it);
-- aggregated v2/v2beta1 (``/api``, ``/apis`` only): the merged document from the cache;
+- aggregated v2 (``/api``, ``/apis`` only): the merged document from the cache;
+  aggregated v2beta1 the same, but only while the backend serves v2beta1 itself (asked
+  each time): kube-apiserver 1.33+ does not, and answers such a client by its next
+  Accept clause (the legacy list) or 406, so mvproxy does too;
+- legacy ``GET /apis/<g>`` of a group no server's discovery lists: the backend's answer,
+  its ``APIGroup`` turned into a 404 (``_unlisted_group``);
 - legacy JSON: the merged ``APIVersions`` / ``APIGroupList`` / ``APIGroup``, so
   ``/apis/<g>`` lists the versions only peers serve, as ``/apis`` does; and
   ``/apis/<g>/<v>`` of a group/version the backend serves while peers serve more of
@@ -134,6 +139,8 @@ class DiscoveryHandler:
         negotiated = _negotiate(exchange, path)
         if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
             return False
+        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+            return False  # whether the backend serves it is asked every time
         view = self.cache.view()
         if not _answerable(view, path):
             return False
@@ -155,11 +162,24 @@ class DiscoveryHandler:
             return
         view = self.cache.view()
         if not _answerable(view, path):
-            await self._from_backend(exchange)
+            if path not in _TOP_LEVEL and view.synced and view.merged() is not None:
+                await self._unlisted_group(exchange)
+            else:
+                await self._from_backend(exchange)
             return
         # Authorization first, as in kube-apiserver: an unauthenticated client learns
         # nothing here, not even which Accept values a group path would take.
-        if not await self._authorize(exchange, path):
+        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+            served = await self._backend_serves_v2beta1(exchange, path)
+            if served is None:
+                return
+            if not served:  # as the backend: the client's next clause, else its 406
+                negotiated = discovery.negotiate(exchange.headers.get("Accept"),
+                                                 v2beta1=False)
+                if negotiated.kind not in ("aggregated", "legacy") or negotiated.nopeer:
+                    await self._from_backend(exchange)
+                    return
+        elif not await self._authorize(exchange, path):
             return
         if negotiated.kind == "not_acceptable":
             offered = ("aggregated (apidiscovery.k8s.io v2, v2beta1) and legacy JSON"
@@ -222,6 +242,64 @@ class DiscoveryHandler:
             exchange.respond(200, fields, merged)
             return
         exchange.respond(answer.status, fields, answer.body)
+
+    async def _unlisted_group(self, exchange: Exchange) -> None:
+        """``GET /apis/<g>`` of a group no server's discovery lists: the backend's
+        answer, asked as the client asked it (so a refusal is its own), except that its
+        ``APIGroup`` becomes kube's 404 for an unknown group.
+
+        kube-apiserver answers ``/apis/<g>`` from the APIService objects in etcd, where
+        every server registers its groups (measured: 1.36.3 beside 1.37.2 describes
+        ``storagemigration.k8s.io``, then 404s ``/apis/<g>/v1``); such an object
+        outlives the server that served it until a server starts and removes it.
+        mvproxy answers what its ``/apis`` lists, and anything it lists can be got."""
+        headers = forwarding.headers_for(exchange, to_peer=False)
+        try:
+            answer = await self.transport.fetch(self.backend.for_headers(headers),
+                                                exchange.target, headers=headers,
+                                                timeout=self.probe_timeout,
+                                                max_bytes=self.max_bytes)
+        except UpstreamError as exc:
+            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return
+        if answer.status == 200:
+            exchange.respond(404, list(_NOT_FOUND_FIELDS), _NOT_FOUND_BODY)
+            return
+        exchange.respond(answer.status,
+                         forwarding.response_headers(list(answer.headers.items())),
+                         answer.body)
+
+    async def _backend_serves_v2beta1(self, exchange: Exchange, path: str) -> bool | None:
+        """Whether the backend answers this client aggregated v2beta1 (kube-apiserver
+        1.33+ does not: 406, or its next clause); None: its refusal has been relayed.
+
+        Asked on every v2beta1 request, with the client's credentials (it authorizes,
+        as ``_authorize`` does): an operator expects mvproxy to offer what its backend
+        offers, and a backend replaced by another release must not be misjudged. Only
+        clients that prefer v2beta1 to v2 pay this round trip (kubectl 1.27 and older)."""
+        headers = forwarding.headers_for(exchange, to_peer=False)
+        headers["Accept"] = discovery.AGGREGATED_V2BETA1
+        headers.popall("If-None-Match", None)
+        target = f"{path}?{exchange.query}" if exchange.query else path
+        try:
+            answer = await self.transport.fetch(self.backend.for_headers(headers), target,
+                                                headers=headers, timeout=self.probe_timeout,
+                                                max_bytes=self.max_bytes)
+        except UpstreamError:
+            # Down: authorized as for v2 (a peer may say yes); legacy is always served.
+            return False if await self._authorize(exchange, path) else None
+        if answer.status == 406:  # kube authorizes before it negotiates
+            return False
+        if answer.status == 200:
+            served = answer.headers.get("Content-Type", "").split(";profile")[0]
+            return served == discovery.AGGREGATED_V2BETA1
+        exchange.respond(answer.status,
+                         forwarding.response_headers(list(answer.headers.items())),
+                         answer.body)
+        return None
 
     async def _from_backend(self, exchange: Exchange) -> None:
         headers = forwarding.headers_for(exchange, to_peer=False)
@@ -309,6 +387,11 @@ class DiscoveryHandler:
 
 
 _TOP_LEVEL = frozenset(("/api", "/apis"))
+#: kube-apiserver's answer for a group it does not know (Go's NotFound handler).
+_NOT_FOUND_BODY = b"404 page not found\n"
+_NOT_FOUND_FIELDS = (("Content-Type", "text/plain; charset=utf-8"),
+                     ("X-Content-Type-Options", "nosniff"),
+                     ("Cache-Control", "no-cache, private"))
 #: Fields of the backend's answer that describe its own bytes, not the merged ones.
 _REWRITTEN = frozenset(("etag", "content-md5", "content-encoding"))
 

@@ -217,14 +217,15 @@ def test_merged_discovery_is_upstreams(builtin, mvproxy) -> None:
 
 
 def test_discovery_forms_upstream_does_not_merge(builtin, mvproxy) -> None:
-    """Only aggregated v2 is peer-aggregated upstream. Since 1.35 kube-apiserver no
+    """Only aggregated v2 is peer-aggregated upstream. Since 1.33 kube-apiserver no
     longer serves v2beta1: a client asking for it, then JSON, gets the old server's own
-    legacy APIGroupList; mvproxy answers merged aggregated v2beta1. Protobuf: upstream
-    merges it; mvproxy encodes only JSON and skips to the client's next clause."""
+    legacy APIGroupList; mvproxy offers v2beta1 only where its backend does, so it
+    answers the merged legacy APIGroupList. Protobuf: upstream merges it; mvproxy
+    encodes only JSON and skips to the client's next clause."""
     beta = "`/apis`, aggregated v2beta1 then JSON (client-go 1.26–1.29)"
     assert _steps(builtin)[beta].seen.kind == "APIGroupList"
-    assert _steps(mvproxy)[beta].seen.kind == "APIGroupDiscoveryList"
-    assert "v=v2beta1" in _steps(mvproxy)[beta].seen.content_type
+    assert _steps(mvproxy)[beta].seen.kind == "APIGroupList"
+    assert _steps(mvproxy)[beta].seen.content_type == "application/json"
     proto = "`/apis`, aggregated protobuf first, then JSON"
     assert _steps(builtin)[proto].seen.kind == "protobuf"
     assert _steps(mvproxy)[proto].seen.kind == "APIGroupDiscoveryList"
