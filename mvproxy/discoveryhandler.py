@@ -257,11 +257,11 @@ class DiscoveryHandler:
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers),
                                                 exchange.target, headers=headers,
-                                                timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                        idempotent=True)
             exchange.respond(failure.status, failure.fields, failure.body)
             return
@@ -286,8 +286,8 @@ class DiscoveryHandler:
         target = f"{path}?{exchange.query}" if exchange.query else path
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
-                                                headers=headers, timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                headers=headers, timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError:
             # Down: authorized as for v2 (a peer may say yes); legacy is always served.
             return False if await self._authorize(exchange, path) else None
