@@ -55,21 +55,6 @@ def _where(func: tuple) -> str:
     return f"{short}:{line} {name}"
 
 
-def spy_top(raw: Path, top: int) -> tuple[list[tuple[str, float]], int]:
-    """Own share per function from py-spy's raw (collapsed stacks) output."""
-    own: dict[str, int] = {}
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        total += int(count)
-        frame = stack.split(";")[-1]
-        own[frame] = own.get(frame, 0) + int(count)
-    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
-    return [(frame, n / total * 100) for frame, n in ranked], total
-
-
 class Counted:
     """cProfile's numbers per request served."""
 
@@ -145,7 +130,7 @@ def main() -> int:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             served = runner.wrk(url, 32, args.seconds + 1, [])
             recorder.wait(120)
-            spied, samples = spy_top(raw, args.top)
+            spied, samples = bench.own_shares(raw, args.top)
             before = bench.cpu_seconds([proc.pid])
             plain = runner.wrk(url, 32, args.seconds, [])
             plain_us = (bench.cpu_seconds([proc.pid]) - before) / plain["requests"] * 1e6

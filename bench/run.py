@@ -279,22 +279,17 @@ http {{
 
 def mvproxy_conf(work: Path, pki: Path, member: str, ports: dict[str, int]) -> Path:
     import yaml
+
+    from mvproxy import devpki
     other = "b" if member == "a" else "a"
     doc = {
-        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
-        "serverID": member, "bindAddress": "127.0.0.1", "securePort": ports[f"mv{member}"],
-        "tlsCertFile": str(pki / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(pki / "a" / "mvproxy.key"),
-        "clientCAFile": str(pki / "ca.crt"),
-        "backend": {"url": f"https://127.0.0.1:{ports[member]}", "caFile": str(pki / "ca.crt"),
-                    "certFile": str(pki / "a" / "front-proxy-client.crt"),
-                    "keyFile": str(pki / "a" / "front-proxy-client.key")},
+        **devpki.sidecar_config(pki, f"https://127.0.0.1:{ports[member]}", ports[f"mv{member}"],
+                                ports[f"admin{member}"], server_id=member),
         "peer": {"caFile": str(pki / "ca.crt"), "clientCAFile": str(pki / "front-proxy-ca.crt"),
                  "certFile": str(pki / "a" / "front-proxy-client.crt"),
                  "keyFile": str(pki / "a" / "front-proxy-client.key")},
         "peers": {"static": [{"serverID": other,
                               "url": f"https://127.0.0.1:{ports['mv' + other]}"}]},
-        "admin": {"bindAddress": "127.0.0.1", "port": ports[f"admin{member}"]},
         "logging": {"verbosity": 1},
         "listener": {"idleTimeout": "10m"},
     }
@@ -568,6 +563,13 @@ def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
     recorder.wait(60)
     if not raw.exists():
         return ["py-spy could not attach (ptrace not permitted?)"]
+    shares, _samples = own_shares(raw, 15)
+    return [f"{share:5.1f}% {frame}" for frame, share in shares]
+
+
+def own_shares(raw: Path, top: int) -> tuple[list[tuple[str, float]], int]:
+    """([(frame, % of samples with it on top)], samples) from py-spy's raw output
+    (collapsed stacks, one ``frame;frame;... count`` a line)."""
     own: dict[str, int] = {}
     total = 0
     for line in raw.read_text().splitlines():
@@ -577,8 +579,8 @@ def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
         total += int(count)
         frame = stack.split(";")[-1]
         own[frame] = own.get(frame, 0) + int(count)
-    top = sorted(own.items(), key=lambda kv: -kv[1])[:15]
-    return [f"{n / total * 100:5.1f}% {frame}" for frame, n in top]
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return [(frame, n / max(1, total) * 100) for frame, n in ranked], total
 
 
 def profile_libraries(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
