@@ -41,6 +41,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from mvproxy import devpki
 from mvproxy.devcluster.launcher import SimProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,18 +65,8 @@ def tree_cpu(pid: int) -> float:
 
 
 def config(pki: Path, backend: str, port: int, admin: int) -> dict:
-    return {
-        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
-        "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
-        "tlsCertFile": str(pki / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(pki / "a" / "mvproxy.key"),
-        "clientCAFile": str(pki / "ca.crt"),
-        "backend": {"url": backend, "caFile": str(pki / "ca.crt"),
-                    "certFile": str(pki / "a" / "front-proxy-client.crt"),
-                    "keyFile": str(pki / "a" / "front-proxy-client.key")},
-        "admin": {"bindAddress": "127.0.0.1", "port": admin},
-        "timeouts": {"shutdownDelay": "0s", "shutdownGracePeriod": "2s"},
-    }
+    return {**devpki.sidecar_config(pki, backend, port, admin),
+            "timeouts": {"shutdownDelay": "0s", "shutdownGracePeriod": "2s"}}
 
 
 def clean_env(tmp: Path) -> dict[str, str]:

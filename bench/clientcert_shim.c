@@ -1,6 +1,11 @@
 /* LD_PRELOAD shim for wrk (which has no client-certificate option): every SSL_CTX wrk
  * creates gets the certificate and key named by BENCH_CLIENT_CERT and BENCH_CLIENT_KEY
- * before its first connection. Written for mvproxy's bench; built by bench/run.py. */
+ * before its first connection. wrk reuses one SSL per connection slot across reconnects
+ * (SSL_clear), which keeps the TLS session, so every reconnect would resume it; the
+ * SSL_clear below drops the session, so each new connection makes a full handshake with
+ * client-certificate verification, as client-go does (it keeps no session cache).
+ * BENCH_TLS_RESUME=1 keeps resumption. Written for mvproxy's bench; built by
+ * bench/run.py. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -28,4 +33,18 @@ SSL *SSL_new(SSL_CTX *ctx) {
         loaded = ctx;
     }
     return real_new(ctx);
+}
+
+int SSL_clear(SSL *ssl) {
+    static int (*real_clear)(SSL *);
+    static int (*set_session)(SSL *, void *);
+    if (!real_clear) {
+        real_clear = (int (*)(SSL *))dlsym(RTLD_NEXT, "SSL_clear");
+        set_session = (int (*)(SSL *, void *))dlsym(RTLD_DEFAULT, "SSL_set_session");
+    }
+    int done = real_clear(ssl);
+    const char *resume = getenv("BENCH_TLS_RESUME");
+    if (done == 1 && set_session && !(resume && resume[0] == '1'))
+        set_session(ssl, NULL);
+    return done;
 }

@@ -219,15 +219,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
     p = root / "pki"
     backend_port, port, admin = free_port(), free_port(), free_port()
     config = {
-        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
-        "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
-        "tlsCertFile": str(p / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(p / "a" / "mvproxy.key"),
-        "clientCAFile": str(p / "ca.crt"),
-        "backend": {"url": f"https://127.0.0.1:{backend_port}", "caFile": str(p / "ca.crt"),
-                    "certFile": str(p / "a" / "front-proxy-client.crt"),
-                    "keyFile": str(p / "a" / "front-proxy-client.key")},
-        "admin": {"bindAddress": "127.0.0.1", "port": admin},
+        **devpki.sidecar_config(p, f"https://127.0.0.1:{backend_port}", port, admin),
         "listener": {"idleTimeout": "1h",
                      "maxConnections": 4 * max(args.connections, args.stalled) + 100},
     }

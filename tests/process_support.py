@@ -21,7 +21,7 @@ import pytest
 import yaml
 from daemon_support import fake_server
 
-from mvproxy import tls
+from mvproxy import devpki, tls
 from mvproxy.devcluster.launcher import free_port
 
 WAIT = 20.0
@@ -37,16 +37,8 @@ async def backend(aiohttp_server, root):
 def daemon_config(root: Path, backend: str, port: int, admin: int, **listener: object) -> dict:
     """A complete configuration for server "a" in front of ``backend``."""
     return {
-        "apiVersion": "mvproxy.io/v1alpha1", "kind": "MvproxyConfiguration",
-        "serverID": "a", "bindAddress": "127.0.0.1", "securePort": port,
-        "tlsCertFile": str(root / "a" / "mvproxy.crt"),
-        "tlsPrivateKeyFile": str(root / "a" / "mvproxy.key"),
-        "clientCAFile": str(root / "ca.crt"),
-        "backend": {"url": backend, "caFile": str(root / "ca.crt"),
-                    "certFile": str(root / "a" / "front-proxy-client.crt"),
-                    "keyFile": str(root / "a" / "front-proxy-client.key")},
+        **devpki.sidecar_config(root, backend, port, admin),
         "discovery": {"pollInterval": "200ms"},
-        "admin": {"bindAddress": "127.0.0.1", "port": admin},
         "timeouts": {"shutdownGracePeriod": "2s"},
         "listener": {"headerReadTimeout": "30s", "idleTimeout": "30s", **listener},
     }

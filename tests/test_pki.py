@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from mvproxy.devpki import init_pki
+from mvproxy.config import from_document
+from mvproxy.devpki import init_pki, sidecar_config
 from mvproxy.errors import PKIError, Problem
 from mvproxy.tls import (
     check_certificate,
@@ -638,3 +639,16 @@ def test_a_rotated_front_proxy_client_pair_lives_as_long_as_asked(tmp_path: Path
 def before_names(directory: Path) -> list[Path]:
     return [directory / "apiserver-a" / f"{stem}.{ext}"
             for stem in ("apiserver", "mvproxy", "front-proxy-client") for ext in ("crt", "key")]
+
+
+def test_sidecar_config_is_a_valid_configuration_over_the_layout(pki_dir: Path) -> None:
+    """Tests and benchmarks start daemons from it: it must validate as it is, and name
+    the files ``init_pki`` wrote for the member."""
+    doc = sidecar_config(pki_dir, "https://127.0.0.1:6443", 8443, 8444,
+                         server_id="b", member="apiserver-a")
+    config = from_document(doc, "<test>")
+    assert (config.server_id, config.secure_port, config.admin.port) == ("b", 8443, 8444)
+    for path in (doc["tlsCertFile"], doc["tlsPrivateKeyFile"], doc["clientCAFile"],
+                 *(doc["backend"][key] for key in ("caFile", "certFile", "keyFile"))):
+        assert Path(path).is_file() and Path(path).is_relative_to(pki_dir)
+    assert Path(doc["tlsCertFile"]).parent.name == "apiserver-a"
