@@ -99,3 +99,15 @@ def test_an_extension_built_from_other_sources_is_not_left_in_use():
 def test_setup_py_compiles_exactly_the_modules_compiled_py_names():
     setup = script("dev")._load(ROOT / "setup.py", "mvproxy_test_setup")
     assert setup.compiled_modules() == list(compiled.MODULES)
+
+
+def test_ci_runs_a_named_pure_subset_of_files_that_exist():
+    """.ci/run's pure-Python run: under MVPROXY_PURE=1, the files it lists all exist, and
+    the pure modules' own table tests and this file are among them."""
+    text = (ROOT / ".ci" / "run").read_text()
+    subset = text.split("PURE_SUBSET=(", 1)[1].split(")", 1)[0].split()
+    assert subset and all((ROOT / path).is_file() for path in subset), subset
+    assert {"tests/test_routing.py", "tests/test_requestinfo.py", "tests/test_compiled.py",
+            "tests/test_proxy_e2e.py"} <= set(subset)
+    assert 'MVPROXY_PURE=1 python3 scripts/dev.py test' in text
+    assert "docs/compiled.md" in (ROOT / "README.md").read_text()
