@@ -40,7 +40,14 @@ def extensions() -> list:
     paths = [f"mvproxy/{name}.py" for name in compiled_modules()]
     # One shared library inside the package (mvproxy/_core__mypyc*.so), not a
     # hash-named module at the top of site-packages.
-    built = mypycify(paths, opt_level="3", group_name="mvproxy._core")
+    try:
+        built = mypycify(paths, opt_level="3", group_name="mvproxy._core")
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error it finds
+        # An unpinned mypy (an isolated `pip install .`) may judge the code differently
+        # from the lock's: build pure Python rather than no wheel. The pinned builds
+        # (dev venv, binary, image) are checked to be compiled by the tests.
+        print(f"setup.py: mypyc failed ({exc!r}): building pure Python")
+        return []
     for extension in built:
         extension.optional = True  # no C compiler: a warning and the .py, not a failure
     return built
