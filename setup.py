@@ -13,8 +13,6 @@ import ast
 import os
 from pathlib import Path
 
-from setuptools import setup
-
 ROOT = Path(__file__).resolve().parent
 
 
@@ -54,4 +52,8 @@ def extensions() -> list:
 
 
 if __name__ == "__main__":  # as setuptools' build backend runs it; not when imported
+    # (dev.py and the tests import it for compiled_modules: no setuptools then, whose
+    # vendored distributions would join the importer's sys.path)
+    from setuptools import setup
+
     setup(ext_modules=extensions())
