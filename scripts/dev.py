@@ -4,8 +4,9 @@
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``$MVPROXY_VENV``), installs every distribution in ``requirements.lock`` into it
 (hash-checked, nothing else: the lock holds the test and lint tools and the build
-backend) and mvproxy itself editable, when the lock or ``pyproject.toml`` changed
-since the last install, then runs the command there. Extra arguments go to
+backend) and mvproxy itself editable, its pure core compiled in place by the lock's
+mypyc (docs/compiled.md), when the lock, ``pyproject.toml`` or a compiled module's
+source changed since the last install, then runs the command there. Extra arguments go to
 ``mvproxy demo`` or to pytest. ``lint`` runs ruff, mypy and import-linter (what
 ``.ci/run`` checks before the tests), stopping at the first that fails. ``test`` also
 installs Chromium (Debian's ``chromium``, with apt-get when running as root) for the

@@ -129,6 +129,7 @@ def _pip(python, *args):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # two venvs, and mypyc compiling the core (about 40 s alone)
 def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     """The Dockerfile's build stage, step by step, in a fresh virtual environment."""
     # The build backend from the lock, hash-checked, in a venv of its own; the wheel is
@@ -199,11 +200,14 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_release_catalogs():
+@pytest.mark.timeout(300)  # an isolated build: pip fetches setuptools and mypy first
+def test_wheel_ships_the_release_catalogs(monkeypatch):
     """`mvproxy sim` and the demo read them at run time; the wheel has no tests/data."""
     import tempfile
     import zipfile
 
+    # What is compiled is the image test's; here a pure build (setup.py) is quicker.
+    monkeypatch.setenv("MVPROXY_PURE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", tmp, str(ROOT))
         (wheel,) = Path(tmp).glob("mvproxy-*.whl")
