@@ -133,9 +133,11 @@ def ensure_env() -> None:
                    check=True, timeout=1800)
     # The build backend comes from the lock too: nothing unpinned is downloaded. The
     # lock's mypy (mypyc) compiles the core in place (setup.py), so tests import the
-    # extensions; tests/test_compiled.py checks that they do.
+    # extensions; tests/test_compiled.py checks that they do. Always compiled, whatever
+    # MVPROXY_PURE says: that switch picks what a process imports, not what is built.
+    build_env = {k: v for k, v in os.environ.items() if k != "MVPROXY_PURE"}
     subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
-                   check=True, timeout=600)
+                   check=True, timeout=600, env=build_env)
     _remove_unlocked(pip)
     STAMP.write_text(_wanted_stamp())
 
