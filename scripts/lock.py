@@ -12,8 +12,9 @@ one valid requirements file in three sections, each opened by a marker comment:
   (``lock.py select runtime``), so no test or lint tool reaches them.
 * ``# [dev]``: the rest of the development environment, for ``scripts/dev.py`` and
   ``.ci/run`` (which install ``runtime`` and ``dev``, never ``binary``).
-* ``# [binary]``: ``[tool.mvproxy] binary-requires`` in ``pyproject.toml`` (PyInstaller)
-  and what it needs beyond the runtime section. ``dev.py binary`` installs ``runtime``
+* ``# [binary]``: ``[tool.mvproxy] binary-requires`` in ``pyproject.toml`` (PyInstaller,
+  and mypy for mypyc, which compiles the core the binary carries) and what they need
+  beyond the runtime section. ``dev.py binary`` installs ``runtime``
   and ``binary`` into a build environment of its own, outside the development venv.
   A distribution both here and in ``dev`` (setuptools, packaging) has the same pin in
   both: this resolution is constrained to the other two.
