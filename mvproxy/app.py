@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import resource
@@ -20,16 +19,16 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from mvproxy import reload
+from mvproxy import logs, reload
 from mvproxy.admin import build_admin_app, metrics_app, metrics_handler
 from mvproxy.cache import DiscoveryCache
 from mvproxy.certreload import CertificateReloader, DaemonTLS
-from mvproxy.config import Config
+from mvproxy.config import Config, DiscoveryConfig, StaticPeer, TimeoutsConfig
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.dnsmembership import DNSMembership
 from mvproxy.errors import UsageError
@@ -38,6 +37,7 @@ from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
 from mvproxy.listener import Limits, Listener
+from mvproxy.live import LiveSettings
 from mvproxy.logs import kv
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
 from mvproxy.metrics import Metrics
@@ -77,6 +77,38 @@ class Daemon:
     """Lease membership (``peers.leases``): run beside the poller, released on shutdown."""
     dns: DNSMembership | None = None
     """DNS membership (``peers.dns``): run beside the poller."""
+
+    # What a reload may change (``reload.Reloadable``); each records its section.
+
+    @property
+    def peers_reachable(self) -> bool:
+        return self.peer_ssl is not None
+
+    def set_peers(self, peers: Sequence[StaticPeer]) -> None:
+        self.membership.update(Peer(p.server_id, p.url) for p in peers)
+        self.config = replace(self.config, membership=replace(self.config.membership,
+                                                              static=tuple(peers)))
+
+    def set_discovery(self, discovery: DiscoveryConfig) -> None:
+        self.poller.settings = replace(self.poller.settings, interval=discovery.poll_interval,
+                                       timeout=discovery.timeout,
+                                       max_bytes=discovery.max_document_bytes)
+        self.cache.stale_after = discovery.stale_after
+        self.cache.forget_after = discovery.forget_after
+        self.config = replace(self.config, discovery=discovery)
+        self.proxy.discovery.live.update(self.config)
+
+    def set_timeouts(self, timeouts: TimeoutsConfig) -> None:
+        """The shutdown settings are read from ``config`` when a signal comes."""
+        for transport in (self.transport, self.poll_transport):
+            transport.set_timeouts(connect=timeouts.connect, request=timeouts.request)
+        self.config = replace(self.config, timeouts=timeouts)
+        self.proxy.discovery.live.update(self.config)
+
+    def set_verbosity(self, verbosity: int) -> None:
+        logs.set_verbosity(verbosity)
+        self.config = replace(self.config, logging=replace(self.config.logging,
+                                                           verbosity=verbosity))
 
 
 BACKEND_SILENT = frozenset(("timeout", "connect"))
@@ -176,14 +208,11 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                     settings=PollSettings(cfg.discovery.poll_interval, cfg.discovery.timeout,
                                           cfg.discovery.max_document_bytes),
                     metrics=metrics, on_failure=stopped_answering, wake=membership_changed)
-    retry_after = max(1, math.ceil(cfg.discovery.poll_interval))
     discovery = DiscoveryHandler(cache=cache, transport=transport, backend=backend,
-                                 metrics=metrics, probe_timeout=cfg.timeouts.request,
-                                 max_bytes=cfg.discovery.max_document_bytes,
-                                 retry_after=retry_after, peers=peers)
+                                 metrics=metrics, live=LiveSettings.of(cfg), peers=peers)
     proxy = Proxy(server_id=cfg.server_id, cache=cache, transport=transport, backend=backend,
                   peers=peers, metrics=metrics, discovery=discovery,
-                  rng=rng or random.Random(), retry_after=retry_after)
+                  rng=rng or random.Random())
     limits = Limits(header_read_timeout=cfg.listener.header_read_timeout,
                     idle_timeout=cfg.listener.idle_timeout,
                     max_header_bytes=cfg.listener.max_header_bytes,
@@ -206,7 +235,7 @@ def _dns_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None]
 
 def _lease_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None],
                       backend_ssl: SwappableContext) -> LeaseMembership | None:
-    """Lease membership talks to the backend as a front proxy (README "Membership"),
+    """Lease membership talks to the backend as a front proxy (docs/membership.md),
     with the backend client certificate in use now (it rotates with the others)."""
     leases = cfg.membership.leases
     if not leases.enabled:

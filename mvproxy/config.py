@@ -410,7 +410,7 @@ LEASE_NAME_PREFIX = "mvproxy-"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LeasesConfig:
     """YAML ``peers.leases``: peers from ``coordination.k8s.io/v1`` Leases, read and
-    written through the backend (each mvproxy holds one; see README "Membership")."""
+    written through the backend (each mvproxy holds one; see docs/membership.md)."""
 
     enabled: bool = _key("enabled", _boolean, default=False)
     """Publish this mvproxy's Lease and take the other unexpired ones as peers (false).

@@ -657,17 +657,20 @@ _NOT_ACCEPTABLE = Negotiated("not_acceptable")
 _PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 
-def _aggregated_outcome(params: Mapping[str, str]) -> Negotiated | None:
+def _aggregated_outcome(params: Mapping[str, str], v2beta1: bool) -> Negotiated | None:
     version = params.get("v", "")
     if (params["as"] != _LIST_KIND or params.get("g") != "apidiscovery.k8s.io"
             or version not in _CONTENT_TYPES):
         return None  # e.g. as=Table: not something discovery can produce
+    if version == "v2beta1" and not v2beta1:
+        return None  # the backend does not serve it: as there, the next clause
     # Unknown profiles get the merged view, as upstream.
     return Negotiated("aggregated", _CONTENT_TYPES[version], _API_VERSIONS[version],
                       nopeer=params.get("profile") == "nopeer")
 
 
-def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool) -> Negotiated | None:
+def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool,
+             v2beta1: bool) -> Negotiated | None:
     if media_type in ("*/*", "application/*"):
         return _LEGACY
     if media_type not in ("application/json", _PROTOBUF):
@@ -676,7 +679,7 @@ def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool) -> Ne
         # Protobuf legacy documents would come from the backend alone, without the
         # peer-only groups that mvproxy's merged JSON lists: skipped, like YAML.
         return _LEGACY if media_type == "application/json" else None
-    outcome = _aggregated_outcome(params) if aggregated else None
+    outcome = _aggregated_outcome(params, v2beta1) if aggregated else None
     if media_type == _PROTOBUF and outcome is not None:
         # mvproxy cannot encode protobuf; only the backend's own view may be asked so.
         if not outcome.nopeer:
@@ -686,21 +689,25 @@ def _outcome(media_type: str, params: Mapping[str, str], aggregated: bool) -> Ne
     return outcome
 
 
-def negotiate(accept: str | None, *, aggregated: bool = True) -> Negotiated:
+def negotiate(accept: str | None, *, aggregated: bool = True,
+              v2beta1: bool = True) -> Negotiated:
     """Choose the answer for a discovery request (memoised for the short Accept values
     clients send; the memo stays small whatever they send). ``aggregated``: the path
-    offers aggregated discovery (``/api``, ``/apis``; not ``/apis/<g>``)."""
+    offers aggregated discovery (``/api``, ``/apis``; not ``/apis/<g>``). ``v2beta1``:
+    whether aggregated v2beta1 may be chosen; the discovery handler asks the backend,
+    and where it does not serve v2beta1 (kube-apiserver 1.33+), negotiates again
+    without, so the client gets what the backend would give it: its next clause."""
     if accept is not None and len(accept) <= 512:
-        return _negotiate_memo(accept, aggregated)
-    return _negotiate(accept, aggregated)
+        return _negotiate_memo(accept, aggregated, v2beta1)
+    return _negotiate(accept, aggregated, v2beta1)
 
 
 @functools.lru_cache(maxsize=256)
-def _negotiate_memo(accept: str, aggregated: bool) -> Negotiated:
-    return _negotiate(accept, aggregated)
+def _negotiate_memo(accept: str, aggregated: bool, v2beta1: bool) -> Negotiated:
+    return _negotiate(accept, aggregated, v2beta1)
 
 
-def _negotiate(accept: str | None, aggregated: bool) -> Negotiated:
+def _negotiate(accept: str | None, aggregated: bool, v2beta1: bool = True) -> Negotiated:
     """The first acceptable clause wins (upstream's ``NegotiateMediaTypeOptions``).
 
     Aggregated JSON (v2, v2beta1), where offered → the merged document; plain JSON or a
@@ -712,7 +719,7 @@ def _negotiate(accept: str | None, aggregated: bool) -> Negotiated:
     if accept is None or not accept.strip():
         return _LEGACY
     for clause in parse_accept(accept):
-        outcome = _outcome(clause.media_type, clause.params, aggregated)
+        outcome = _outcome(clause.media_type, clause.params, aggregated, v2beta1)
         if outcome is not None:
             return outcome
     return _NOT_ACCEPTABLE

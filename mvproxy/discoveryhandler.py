@@ -1,10 +1,15 @@
 """``GET /api``, ``/apis`` and ``/apis/<g>``: the merged (peer-aggregated) discovery.
 
-Which view a client gets (DESIGN.md, "Request decision" step 2):
+Which view a client gets (docs/routing.md, "Merged discovery"):
 
 - from a peer, or with ``profile=nopeer`` (JSON or protobuf): the backend's own
   answer, forwarded (a peer polling us must see our backend, not our merge of it);
-- aggregated v2/v2beta1 (``/api``, ``/apis`` only): the merged document from the cache;
+- aggregated v2 (``/api``, ``/apis`` only): the merged document from the cache;
+  aggregated v2beta1 the same, but only while the backend serves v2beta1 itself (asked
+  each time): kube-apiserver 1.33+ does not, and answers such a client by its next
+  Accept clause (the legacy list) or 406, so mvproxy does too;
+- legacy ``GET /apis/<g>`` of a group no server's discovery lists: the backend's answer,
+  its ``APIGroup`` turned into a 404 (``_unlisted_group``);
 - legacy JSON: the merged ``APIVersions`` / ``APIGroupList`` / ``APIGroup``, so
   ``/apis/<g>`` lists the versions only peers serve, as ``/apis`` does; and
   ``/apis/<g>/<v>`` of a group/version the backend serves while peers serve more of
@@ -46,6 +51,7 @@ from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
+from mvproxy.live import LiveSettings
 from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
@@ -58,27 +64,55 @@ AUTHORIZED_TTL = 10.0
 AUTHORIZED_MAX = 10_000
 """Credential sets remembered at most (oldest forgotten first)."""
 MEMO_MAX_BYTES = 16 * 1024
-"""Credentials larger than this are hashed on every request rather than kept on the
-connection (a token is a few KiB; the head limit allows a MiB per idle connection)."""
+"""Credentials larger than this are hashed on every request rather than remembered
+(a token is a few KiB; the head limit allows a MiB per request)."""
 
 
-def _credentials_key(exchange: Exchange) -> bytes:
-    """Who is asking: the connection's identity and every credential header, hashed
-    (once per connection while its credentials stay the same)."""
-    credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
-                        if name[:1] in b"aAiI"
-                        and name.lower().startswith((b"authorization", b"impersonate-")))
-    memo = exchange.conn.credentials_memo
-    if memo is not None and memo[0] == credentials:
-        return memo[1]
-    digest = hashlib.sha256(repr((exchange.downstream.kind, exchange.downstream.user,
-                                  exchange.downstream.groups)).encode())
-    for credential in credentials:
-        digest.update(credential + b"\0")
-    key = digest.digest()
-    if sum(map(len, credentials)) <= MEMO_MAX_BYTES:  # an idle connection holds it
-        exchange.conn.credentials_memo = (credentials, key)
-    return key
+MEMO_CONNECTIONS = 1024
+"""Connections whose last credentials' hash is remembered (oldest forgotten first)."""
+
+
+class CredentialsMemo:
+    """Who is asking, as a hash of the connection's identity and every credential header,
+    computed once per connection while its credentials stay the same (a client sends
+    the same token on every request of a connection).
+
+    Each connection has its own entry, under its ``connection_id`` (never reused in a
+    process), and an entry answers only for the same credential lines: the hash of one
+    connection (its TLS identity is in it) never stands for another's request."""
+
+    __slots__ = ("_by_connection", "_max")
+
+    def __init__(self, max_connections: int = MEMO_CONNECTIONS):
+        self._by_connection: OrderedDict[int, tuple[tuple[bytes, ...], bytes]] = OrderedDict()
+        self._max = max_connections
+
+    def key(self, exchange: Exchange) -> bytes:
+        credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
+                            if name[:1] in b"aAiI"
+                            and name.lower().startswith((b"authorization", b"impersonate-")))
+        connection = exchange.connection_id
+        memo = self._by_connection.get(connection)
+        if memo is not None and memo[0] == credentials:
+            self._by_connection.move_to_end(connection)
+            return memo[1]
+        downstream = exchange.downstream
+        digest = hashlib.sha256(repr((downstream.kind, downstream.user,
+                                      downstream.groups)).encode())
+        for credential in credentials:
+            digest.update(credential + b"\0")
+        key = digest.digest()
+        if sum(map(len, credentials)) <= MEMO_MAX_BYTES:
+            self._by_connection[connection] = (credentials, key)
+            self._by_connection.move_to_end(connection)
+            while len(self._by_connection) > self._max:
+                self._by_connection.popitem(last=False)
+        else:
+            self._by_connection.pop(connection, None)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._by_connection)
 
 
 @dataclass
@@ -87,13 +121,13 @@ class DiscoveryHandler:
     transport: Transport
     backend: Upstream
     metrics: Metrics
-    probe_timeout: float
-    max_bytes: int
-    retry_after: int
+    live: LiveSettings
+    """Retry-After, probe timeout and document limit: a reload changes them in place."""
     peers: Callable[[], Mapping[str, Upstream]] = dict
     """The current peers (to authorize at one while the backend is down)."""
     _probe_etags: dict[str, str] = field(default_factory=dict)
     _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
+    credentials: CredentialsMemo = field(default_factory=CredentialsMemo)
     clock: Callable[[], float] = time.monotonic
 
     def handle_now(self, exchange: Exchange, info: RequestInfo) -> bool:
@@ -105,10 +139,12 @@ class DiscoveryHandler:
         negotiated = _negotiate(exchange, path)
         if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
             return False
+        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+            return False  # whether the backend serves it is asked every time
         view = self.cache.view()
         if not _answerable(view, path):
             return False
-        if self._authorized.get((_credentials_key(exchange), path), 0.0) <= self.clock():
+        if self._authorized.get((self.credentials.key(exchange), path), 0.0) <= self.clock():
             return False
         self._merged(exchange, view, negotiated, path)
         return True
@@ -126,11 +162,24 @@ class DiscoveryHandler:
             return
         view = self.cache.view()
         if not _answerable(view, path):
-            await self._from_backend(exchange)
+            if path not in _TOP_LEVEL and view.synced and view.merged() is not None:
+                await self._unlisted_group(exchange)
+            else:
+                await self._from_backend(exchange)
             return
         # Authorization first, as in kube-apiserver: an unauthenticated client learns
         # nothing here, not even which Accept values a group path would take.
-        if not await self._authorize(exchange, path):
+        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+            served = await self._backend_serves_v2beta1(exchange, path)
+            if served is None:
+                return
+            if not served:  # as the backend: the client's next clause, else its 406
+                negotiated = discovery.negotiate(exchange.headers.get("Accept"),
+                                                 v2beta1=False)
+                if negotiated.kind not in ("aggregated", "legacy") or negotiated.nopeer:
+                    await self._from_backend(exchange)
+                    return
+        elif not await self._authorize(exchange, path):
             return
         if negotiated.kind == "not_acceptable":
             offered = ("aggregated (apidiscovery.k8s.io v2, v2beta1) and legacy JSON"
@@ -175,11 +224,11 @@ class DiscoveryHandler:
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers),
                                                 exchange.target, headers=headers,
-                                                timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.retry_after,
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                        idempotent=True)
             exchange.respond(failure.status, failure.fields, failure.body)
             return
@@ -194,6 +243,64 @@ class DiscoveryHandler:
             return
         exchange.respond(answer.status, fields, answer.body)
 
+    async def _unlisted_group(self, exchange: Exchange) -> None:
+        """``GET /apis/<g>`` of a group no server's discovery lists: the backend's
+        answer, asked as the client asked it (so a refusal is its own), except that its
+        ``APIGroup`` becomes kube's 404 for an unknown group.
+
+        kube-apiserver answers ``/apis/<g>`` from the APIService objects in etcd, where
+        every server registers its groups (measured: 1.36.3 beside 1.37.2 describes
+        ``storagemigration.k8s.io``, then 404s ``/apis/<g>/v1``); such an object
+        outlives the server that served it until a server starts and removes it.
+        mvproxy answers what its ``/apis`` lists, and anything it lists can be got."""
+        headers = forwarding.headers_for(exchange, to_peer=False)
+        try:
+            answer = await self.transport.fetch(self.backend.for_headers(headers),
+                                                exchange.target, headers=headers,
+                                                timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
+        except UpstreamError as exc:
+            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return
+        if answer.status == 200:
+            exchange.respond(404, list(_NOT_FOUND_FIELDS), _NOT_FOUND_BODY)
+            return
+        exchange.respond(answer.status,
+                         forwarding.response_headers(list(answer.headers.items())),
+                         answer.body)
+
+    async def _backend_serves_v2beta1(self, exchange: Exchange, path: str) -> bool | None:
+        """Whether the backend answers this client aggregated v2beta1 (kube-apiserver
+        1.33+ does not: 406, or its next clause); None: its refusal has been relayed.
+
+        Asked on every v2beta1 request, with the client's credentials (it authorizes,
+        as ``_authorize`` does): an operator expects mvproxy to offer what its backend
+        offers, and a backend replaced by another release must not be misjudged. Only
+        clients that prefer v2beta1 to v2 pay this round trip (kubectl 1.27 and older)."""
+        headers = forwarding.headers_for(exchange, to_peer=False)
+        headers["Accept"] = discovery.AGGREGATED_V2BETA1
+        headers.popall("If-None-Match", None)
+        target = f"{path}?{exchange.query}" if exchange.query else path
+        try:
+            answer = await self.transport.fetch(self.backend.for_headers(headers), target,
+                                                headers=headers, timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
+        except UpstreamError:
+            # Down: authorized as for v2 (a peer may say yes); legacy is always served.
+            return False if await self._authorize(exchange, path) else None
+        if answer.status == 406:  # kube authorizes before it negotiates
+            return False
+        if answer.status == 200:
+            served = answer.headers.get("Content-Type", "").split(";profile")[0]
+            return served == discovery.AGGREGATED_V2BETA1
+        exchange.respond(answer.status,
+                         forwarding.response_headers(list(answer.headers.items())),
+                         answer.body)
+        return None
+
     async def _from_backend(self, exchange: Exchange) -> None:
         headers = forwarding.headers_for(exchange, to_peer=False)
         try:
@@ -201,7 +308,7 @@ class DiscoveryHandler:
                                      headers, long_running=False)
         except ForwardError as exc:
             throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
+            answer = upstream_failure(exc.cause, "the backend API server", self.live.retry_after,
                                       idempotent=exchange.method in forwarding.IDEMPOTENT)
             exchange.respond(answer.status, answer.fields, answer.body)
 
@@ -210,7 +317,7 @@ class DiscoveryHandler:
         ``path``; else its refusal has been relayed. ``path`` is ``/api``, ``/apis``
         or a merged group's ``/apis/<g>`` (the memo stays bounded by the groups servers
         list, not by what clients send)."""
-        key = (_credentials_key(exchange), path)
+        key = (self.credentials.key(exchange), path)
         now = self.clock()
         if self._authorized.get(key, 0.0) > now:
             return True
@@ -228,13 +335,13 @@ class DiscoveryHandler:
         from_backend = True
         try:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
-                                                headers=headers, timeout=self.probe_timeout,
-                                                max_bytes=self.max_bytes)
+                                                headers=headers, timeout=self.live.probe_timeout,
+                                                max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
             at_peer = await self._authorize_at_peer(exchange, target, exc)
             if at_peer is None:
-                failure = upstream_failure(exc, "the backend API server", self.retry_after,
+                failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                            idempotent=exchange.method in forwarding.IDEMPOTENT)
                 exchange.respond(failure.status, failure.fields, failure.body)
                 return False
@@ -271,8 +378,8 @@ class DiscoveryHandler:
             headers["Accept"] = discovery.PEER_ACCEPT
             try:
                 return await self.transport.fetch(upstream, target, headers=headers,
-                                                  timeout=self.probe_timeout,
-                                                  max_bytes=self.max_bytes)
+                                                  timeout=self.live.probe_timeout,
+                                                  max_bytes=self.live.max_document_bytes)
             except UpstreamError as exc:
                 throttled.warning(log, "peer discovery probe failed", peer=peer_id,
                                   error=str(exc)[:300])
@@ -280,6 +387,11 @@ class DiscoveryHandler:
 
 
 _TOP_LEVEL = frozenset(("/api", "/apis"))
+#: kube-apiserver's answer for a group it does not know (Go's NotFound handler).
+_NOT_FOUND_BODY = b"404 page not found\n"
+_NOT_FOUND_FIELDS = (("Content-Type", "text/plain; charset=utf-8"),
+                     ("X-Content-Type-Options", "nosniff"),
+                     ("Cache-Control", "no-cache, private"))
 #: Fields of the backend's answer that describe its own bytes, not the merged ones.
 _REWRITTEN = frozenset(("etag", "content-md5", "content-encoding"))
 

@@ -88,7 +88,7 @@ def main() -> int:
                   "another user could change the code it runs:\n"
                   + "".join(f"  {line}\n" for line in found)
                   + "Set TMPDIR to a directory that only this user (or root) can write "
-                    "to, such as /run/mvproxy with mode 0700 (README, Standalone binary).",
+                    "to, such as /run/mvproxy with mode 0700 (docs/image-and-binary.md).",
                   file=sys.stderr)
             return EXIT_USAGE
     from mvproxy.cli import main as cli_main

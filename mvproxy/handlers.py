@@ -67,7 +67,7 @@ class Proxy:
     metrics: Metrics
     discovery: DiscoveryHandler
     rng: random.Random
-    retry_after: int
+    retry_after = property(lambda self: self.discovery.live.retry_after)  # reload changes it
     """Seconds a 503 asks clients to wait: about one discovery poll interval."""
     _by_route: dict[str, tuple[Gauge, Histogram]] = field(default_factory=dict)
     """Per route: the in-flight gauge and duration histogram children, resolved once."""

@@ -1,6 +1,6 @@
 """Who the downstream is, and which identity headers go upstream.
 
-Three kinds of downstream (DESIGN.md "Identity"):
+Three kinds of downstream (docs/architecture.md, "Identity model"):
 
 - a **peer**: its client certificate was issued by the *peer client CA* (a CA that
   signs only proxies, kubeadm's front-proxy CA) *and* its CN is one of
@@ -46,6 +46,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from cryptography import x509
 
@@ -66,14 +67,28 @@ path-escaped in the header name and lowercased when read, as the aggregator send
 X509_UID = x509.ObjectIdentifier("1.3.6.1.4.1.57683.2")
 """The subject attribute kube-apiserver reads a certificate user's UID from."""
 
-PEER, USER, ANONYMOUS, REFUSED = "peer", "user", "anonymous", "refused"
+class Kind(StrEnum):
+    """What a downstream connection's certificate makes it (a member equals its string,
+    as logs and the admin endpoints show it)."""
+
+    PEER = "peer"
+    """A peer's mvproxy: only its ``X-Remote-*`` headers are believed."""
+    USER = "user"
+    """A certificate verified against ``clientCAFile``: user CN, groups O."""
+    ANONYMOUS = "anonymous"
+    """No verified certificate: credentials pass through, the backend decides."""
+    REFUSED = "refused"
+    """A certificate that cannot identify anyone (``Downstream.reason`` says why)."""
+
+
+PEER, USER, ANONYMOUS, REFUSED = Kind.PEER, Kind.USER, Kind.ANONYMOUS, Kind.REFUSED
 
 
 @dataclass(frozen=True, slots=True)
 class Downstream:
     """The verified identity of a connection (``ANONYMOUS``: no verified certificate)."""
 
-    kind: str
+    kind: Kind
     user: str = ""
     groups: tuple[str, ...] = ()
     reason: str = ""

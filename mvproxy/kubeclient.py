@@ -2,8 +2,8 @@
 
 mvproxy reaches its backend as a front proxy (the ``backend.certFile`` client
 certificate) and names itself in ``X-Remote-User: system:mvproxy:<serverID>`` with
-group ``system:mvproxies``: the backend authorizes that user through RBAC (README
-"Membership"). Every answer is size-bounded, since a Lease list is written by whoever
+group ``system:mvproxies``: the backend authorizes that user through RBAC (docs/membership.md,
+"RBAC"). Every answer is size-bounded, since a Lease list is written by whoever
 may write Leases: a list body over ``max_bytes`` or a watch line over ``max_line``
 is an error, never an unbounded buffer.
 """

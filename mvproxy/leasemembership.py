@@ -387,7 +387,7 @@ class LeaseMembership:
                 self._metrics.discovery_sync_errors.labels("lease_list").inc()
         if self._failing.get(what) != exc.reason:  # log a new failure once, not every retry
             self._failing[what] = exc.reason
-            hint = (" (RBAC: see README 'Membership')" if exc.status == 403 else "")
+            hint = (" (RBAC: see docs/membership.md)" if exc.status == 403 else "")
             log.warning(f"lease {what} failed; retrying{hint}",
                         extra=kv(reason=exc.reason, error=str(exc)))
 

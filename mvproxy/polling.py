@@ -9,7 +9,8 @@ fetch is counted, so ``rate()`` is honest; it is logged once per change of state
 (ok -> failing, or a different reason), not once per poll. Nothing raises out of the
 loops.
 
-Two counters (upstream-mvp.md §4.3, §6): ``mvproxy_discovery_poll_errors_total
+Two counters (docs/operations.md, "Upstream's MVP metrics, compared"):
+``mvproxy_discovery_poll_errors_total
 {server,reason}`` for every failed fetch of any server, by mvproxy's own reason; and
 upstream's ``apiserver_peer_discovery_sync_errors_total{type}`` for peers only (upstream
 polls only peers; the backend's failures show in the first counter and in readiness):
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 
 PATHS = ("/api", "/apis")
 
-# Upstream's peer discovery fetches authenticate as this user (upstream-mvp.md §4.3).
+# Upstream's peer discovery fetches authenticate as this user (kubernetes/kubernetes
+# staging/src/k8s.io/apiserver/pkg/util/peerproxy/).
 POLL_IDENTITY = {"X-Remote-User": "system:apiserver", "X-Remote-Group": "system:authenticated"}
 
 

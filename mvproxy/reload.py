@@ -5,21 +5,20 @@ staleAfter, forgetAfter), upstream timeouts, the shutdown settings and the log
 verbosity. Everything else (listening addresses, certificates' paths, identity
 settings, limits, workers, log format) needs a restart: a reload names each such
 key, keeps the running value, and applies the rest. A file that does not validate
-changes nothing.
+changes nothing. The daemon is reached only through ``Reloadable``: one setter per
+section a reload may change, so mypy checks that a reload touches nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
-from mvproxy import logs
-from mvproxy.config import Config
+from mvproxy.config import Config, DiscoveryConfig, StaticPeer, TimeoutsConfig
 from mvproxy.errors import MvproxyError
 from mvproxy.logs import kv
-from mvproxy.membership import Peer
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +28,33 @@ LIVE = frozenset((
     "timeouts.shutdownGracePeriod", "timeouts.shutdownDelay", "logging.verbosity",
 ))
 """YAML paths a reload applies; any other changed path is reported and kept."""
+
+
+class Reloadable(Protocol):
+    """What a reload may change in a running daemon (``app.Daemon``), and nothing else.
+    Each setter also records its section in ``config``, so that the running
+    configuration always says what runs."""
+
+    @property
+    def config(self) -> Config:
+        """The configuration running now."""
+
+    @property
+    def peers_reachable(self) -> bool:
+        """Started with peer TLS material: only then can static peers be added live."""
+
+    def set_peers(self, peers: Sequence[StaticPeer]) -> None:
+        """The static peer list (Lease and DNS membership keep their settings)."""
+
+    def set_discovery(self, discovery: DiscoveryConfig) -> None:
+        """Polling (interval, timeout, document limit), ``staleAfter``, ``forgetAfter``
+        and the ``Retry-After`` that follows the interval."""
+
+    def set_timeouts(self, timeouts: TimeoutsConfig) -> None:
+        """Upstream connect and request timeouts; the shutdown grace period and delay."""
+
+    def set_verbosity(self, verbosity: int) -> None:
+        """The log verbosity."""
 
 
 def changed_paths(old: Any, new: Any, prefix: str = "") -> Iterator[str]:
@@ -83,7 +109,7 @@ def _with(obj: Any, keys: list[str], value: Any) -> Any:
     return dataclasses.replace(obj, **{name: value})
 
 
-def reload(daemon: Any, load: Callable[[], Config]) -> bool:
+def reload(daemon: Reloadable, load: Callable[[], Config]) -> bool:
     """Re-read the configuration with ``load`` and apply what can change live; False if
     the new file was refused (the daemon keeps running unchanged)."""
     try:
@@ -93,7 +119,7 @@ def reload(daemon: Any, load: Callable[[], Config]) -> bool:
                   extra=kv(error=str(exc)[:2000]))
         return False
     config, applied, kept = merge(daemon.config, new)
-    if "peers" in applied and config.peers and daemon.peer_ssl is None:
+    if "peers" in applied and config.peers and not daemon.peers_reachable:
         # Started without peer TLS material: peers cannot be added live.
         applied.remove("peers")
         kept.append("peers")
@@ -104,20 +130,18 @@ def reload(daemon: Any, load: Callable[[], Config]) -> bool:
     if not applied:
         log.info("reload: nothing to change")
         return True
-    daemon.config = config
-    _apply(daemon, config)
+    _apply(daemon, config, {path.split(".")[0] for path in applied})
     log.info("reload applied", extra=kv(keys=",".join(applied)))
     return True
 
 
-def _apply(daemon: Any, cfg: Config) -> None:
-    daemon.membership.update(Peer(p.server_id, p.url) for p in cfg.peers)
-    daemon.poller.settings = dataclasses.replace(
-        daemon.poller.settings, interval=cfg.discovery.poll_interval,
-        timeout=cfg.discovery.timeout, max_bytes=cfg.discovery.max_document_bytes)
-    daemon.cache.stale_after = cfg.discovery.stale_after
-    daemon.cache.forget_after = cfg.discovery.forget_after
-    for transport in (daemon.transport, daemon.poll_transport):
-        transport.set_timeouts(connect=cfg.timeouts.connect, request=cfg.timeouts.request)
-    daemon.proxy.discovery.probe_timeout = cfg.timeouts.request
-    logs.set_verbosity(cfg.logging.verbosity)
+def _apply(daemon: Reloadable, cfg: Config, sections: set[str]) -> None:
+    """Call the setter of each section with an applied path, and only those."""
+    if "peers" in sections:
+        daemon.set_peers(cfg.peers)
+    if "discovery" in sections:
+        daemon.set_discovery(cfg.discovery)
+    if "timeouts" in sections:
+        daemon.set_timeouts(cfg.timeouts)
+    if "logging" in sections:
+        daemon.set_verbosity(cfg.logging.verbosity)

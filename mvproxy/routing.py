@@ -1,4 +1,4 @@
-"""Where a request goes: the decision order of DESIGN.md, as a pure function.
+"""Where a request goes: the decision order of docs/routing.md, as a pure function.
 
 ``decide`` reads one ``CacheView`` and the request's ``RequestInfo`` and returns a
 ``Decision``; it does no I/O, so it is table-tested without sockets and can move
@@ -12,8 +12,10 @@ the cost does not grow with the number of resources.
    ``GET /openapi/v3`` -> the backend's OpenAPI index plus peer-only group/versions
    (``openapi``).
 3. Before the first complete sync -> backend (a cold start never invents a 404 or 503).
-4. ``GET /apis/<g>`` of a group some server lists -> the discovery handler (the
-   merged ``APIGroup``, so it agrees with the merged ``/apis``); ``GET /apis/<g>/<v>``
+4. ``GET /apis/<g>`` -> the discovery handler: for a group some server lists, the
+   merged ``APIGroup``, so it agrees with the merged ``/apis``; for any other group,
+   the backend's answer, but never its ``APIGroup`` of a group no server's discovery
+   lists (``TO_GROUP_UNLISTED``); ``GET /apis/<g>/<v>``
    (``/api/<v>``) of a group/version the backend serves while peers serve resources
    or subresources of it that the backend does not -> the discovery handler (the
    backend's ``APIResourceList`` plus those); ``/apis/<g>/<v>``,
@@ -55,19 +57,32 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from enum import StrEnum
 
 from mvproxy.cache import CacheView
 from mvproxy.requestinfo import RequestInfo
 
-BACKEND, PEER, DISCOVERY, UNAVAILABLE = "backend", "peer", "discovery", "unavailable"
-OPENAPI_INDEX = "openapi-index"
+
+class Route(StrEnum):
+    """Where a request goes. The values are the ``route`` label of the request metrics
+    and the word in logs: a member equals its string."""
+
+    BACKEND = "backend"
+    PEER = "peer"
+    DISCOVERY = "discovery"
+    UNAVAILABLE = "unavailable"
+    OPENAPI_INDEX = "openapi-index"
+
+
+BACKEND, PEER, DISCOVERY = Route.BACKEND, Route.PEER, Route.DISCOVERY
+UNAVAILABLE, OPENAPI_INDEX = Route.UNAVAILABLE, Route.OPENAPI_INDEX
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where to send one request, and why (the reason is for V(4) logs and tests)."""
 
-    route: str
+    route: Route
     reason: str
     peers: tuple[str, ...] = ()
     """For ``PEER``: candidates in the order to try; for ``UNAVAILABLE``: the capable peers."""
@@ -76,6 +91,10 @@ class Decision:
 TO_BACKEND_PEER_PROXIED = Decision(BACKEND, "peer-proxied")
 TO_DISCOVERY = Decision(DISCOVERY, "discovery")
 TO_GROUP_DISCOVERY = Decision(DISCOVERY, "group discovery")
+TO_GROUP_UNLISTED = Decision(DISCOVERY, "group listed by nobody")
+"""``GET /apis/<g>`` of a group no server's discovery lists: the backend decides (its
+refusal or 404 is relayed), but its ``APIGroup`` becomes a 404, since nothing of the
+group can be got (see ``discoveryhandler``)."""
 TO_RESOURCE_LIST = Decision(DISCOVERY, "group/version resources merged")
 """``GET /apis/<g>/<v>`` of a group/version the backend serves while peers serve more
 of it: the backend's ``APIResourceList`` plus what only peers list."""
@@ -133,7 +152,7 @@ def decide(info: RequestInfo, view: CacheView, *, peer_proxied: bool, credential
         return _among(capable, view, credentials, rng)
     if is_group_discovery(info):
         known = info.api_group in view.local_groups or view.capable_group_peers(info.api_group)
-        return TO_GROUP_DISCOVERY if known else TO_BACKEND_NOBODY
+        return TO_GROUP_DISCOVERY if known else TO_GROUP_UNLISTED
     if is_resource_list(info) and local.serves_group_version(info.api_group, info.api_version):
         if view.peer_only_resources(info.api_group, info.api_version):
             return TO_RESOURCE_LIST

@@ -11,8 +11,9 @@ document may be stored gzipped (``NAME.gz``): index.json's sha256 is of the plai
   cycle (``index.json`` lists each cycle's snapshots oldest first, so the last wins).
 * The ``/apis`` groups come from that snapshot's ``aggregated_v2.json``, in order.
 * The core group (``""``, ``v1``) comes from ``legacy-core-*/api__v1.json``: the only
-  stored ``/api/v1`` document, from one recent release. Every catalog therefore gets
-  the same core group; each catalog says so in ``coreSource.note``.
+  stored ``/api/v1`` document, from one recent release, plus what real servers of the
+  release list that it lacks (``CORE_ADDITIONS``: ``pods/resize`` from 1.33, listed by
+  real kube-apiserver 1.35.4 and 1.36.3); each catalog says so in ``coreSource.note``.
 
 Nothing is dropped silently: an unexpected field, a non-empty top-level responseKind
 group/version or a non-Current freshness stops the run. Output is deterministic
@@ -37,8 +38,15 @@ DEFAULT_OUT = REPO / "mvproxy" / "devcluster" / "catalogs"
 RELEASES = tuple(f"1.{minor}" for minor in range(31, 38))
 CORE_FILE = "api__v1.json"
 CORE_NOTE = (
-    "core group from the single stored /api/v1 document (a recent release); "
-    "identical in every catalog"
+    "core group from the single stored /api/v1 document (a recent release), "
+    "plus pods/resize from 1.33 (listed by real kube-apiserver 1.35.4 and 1.36.3)"
+)
+#: Core entries real servers list that the stored /api/v1 lacks: (first release,
+#: legacy APIResource entry), as real kube-apiserver 1.35.4 and 1.36.3 list them
+#: (InPlacePodVerticalScaling, beta and on by default from 1.33, adds pods/resize).
+CORE_ADDITIONS = (
+    ((1, 33), {"name": "pods/resize", "singularName": "", "namespaced": True, "kind": "Pod",
+               "verbs": ["get", "patch", "update"]}),
 )
 
 _CYCLE_DIR = re.compile(r"(1\.\d+)-cycle-[0-9a-f]+")
@@ -177,11 +185,27 @@ def _legacy_resource(entry: dict) -> dict:
     return out
 
 
-def core_group(doc: dict) -> dict:
+def core_entries(doc: dict, release: str) -> list[dict]:
+    """The legacy entries of ``release``: the document's plus its ``CORE_ADDITIONS``,
+    each subresource after its resource, in name order (as kube-apiserver lists them)."""
+    minor = tuple(int(p) for p in release.split("."))
+    entries = list(doc["resources"])
+    for since, entry in CORE_ADDITIONS:
+        if minor < since or entry["name"] in {e["name"] for e in entries}:
+            continue
+        parent = entry["name"].split("/")[0]
+        family = [i for i, e in enumerate(entries) if e["name"].split("/")[0] == parent]
+        _require(bool(family), f"core/v1/{entry['name']}: {parent} is not listed")
+        after = [i for i in family if entries[i]["name"] < entry["name"]]
+        entries.insert((after or family)[-1] + 1, entry)
+    return entries
+
+
+def core_group(doc: dict, release: str) -> dict:
     """Fold the legacy APIResourceList ("pods", "pods/status", ...) into catalog form."""
     _require(doc["groupVersion"] == "v1", "legacy core document is not v1")
     resources: dict[str, dict] = {}
-    for entry in doc["resources"]:
+    for entry in core_entries(doc, release):
         _check_keys(entry, _LEGACY_KEYS, f"core/v1/{entry['name']}")
         parent, _, sub = entry["name"].partition("/")
         if not sub:
@@ -199,7 +223,7 @@ def build_catalog(release: str, apis: tuple[dict, dict], core: tuple[dict, dict]
     (apis_doc, apis_source), (core_doc, core_source) = apis, core
     return {"kubernetesVersion": release, "gitVersion": f"v{release}.0",
             "source": apis_source, "coreSource": {**core_source, "note": CORE_NOTE},
-            "groups": [core_group(core_doc), *aggregated_groups(apis_doc)]}
+            "groups": [core_group(core_doc, release), *aggregated_groups(apis_doc)]}
 
 
 def render(catalog: dict) -> bytes:

@@ -19,6 +19,10 @@ release (``mvproxy.devcluster.realdemo``), the older started first as in an upgr
 * **mvproxy**: one mvproxy in front of each kube-apiserver, the built-in proxy off (no
   ``--peer-ca-file``); clients talk to an mvproxy.
 
+Then a third, smaller run per pair, **both** (``BOTH``): the built-in proxy on and an
+mvproxy in front of each server, to show a rerouted request is served once (no second
+hop, no loop, the client's identity kept).
+
 Every request comes from the same client code (Python's ``http.client``, HTTP/1.1 over
 TLS, bound to ``CLIENT_HOST`` so audit logs show where it came from), aimed at the
 *old* server's entry point: its kube-apiserver (built-in) or its mvproxy.
@@ -59,6 +63,7 @@ DEFAULT_REQUESTS = 2000
 
 BUILTIN, MVPROXY = "built-in", "mvproxy"
 MODES = (BUILTIN, MVPROXY)
+BOTH = "both"  # the built-in proxy on and mvproxy in front: a third, smaller run
 OLD, NEW = "apiserver-0", "apiserver-1"  # member 0 runs the older release
 CLIENT_HOST = "127.0.0.9"  # every request leaves from here (the audit's sourceIPs)
 HTTP_TIMEOUT = 15.0
@@ -285,12 +290,14 @@ def builtin_flags(pki: Path, host: str, port: int) -> list[str]:
 def start_pair(directory: Path, versions: Sequence[str], mode: str, *,
                binaries: Path | None = None) -> Any:
     """A running ``RealCluster`` of ``versions`` in ``mode``, ready for the scenarios
-    (built-in: once each server's peer proxy reaches the others)."""
+    (built-in, and ``BOTH``: the built-in proxy on and an mvproxy in front of each
+    server, once each server's peer proxy reaches the others)."""
     from mvproxy.devcluster.realdemo import member_host, start_real_cluster
     from mvproxy.errors import UsageError
 
     if mode == MVPROXY:
         return start_real_cluster(directory, versions, 0, binaries=binaries)
+    mvproxies = mode == BOTH
     # The peer flags name each kube-apiserver's port, so the ports are fixed up front:
     # a base below the ephemeral range, another one if something holds a port.
     pki = Path(directory).absolute() / "pki"
@@ -301,7 +308,7 @@ def start_pair(directory: Path, versions: Sequence[str], mode: str, *,
                  for i in range(len(versions))}
         try:
             cluster = start_real_cluster(directory, versions, base, binaries=binaries,
-                                         extra_apiserver_args=extra, mvproxies=False)
+                                         extra_apiserver_args=extra, mvproxies=mvproxies)
         except UsageError as e:
             if "in use" not in str(e):
                 raise
@@ -1372,6 +1379,102 @@ def run_pair(directory: Path, versions: tuple[str, str], *, requests: int,
     return runs
 
 
+# --------------------------------------------------------------------------- both at once
+
+
+@dataclass
+class Both:
+    """Both proxies at once: a new-only object created through the old server's mvproxy
+    and read back, then created straight at the old kube-apiserver."""
+
+    versions: tuple[str, str]
+    kind: str = ""
+    via_mvproxy: str = ""  # what the client saw
+    new_creates: int = 0  # the new server's audit entries of that create
+    old_entries: int = 0  # the old server's audit entries naming the object
+    old_rerouted: float = 0.0  # the old kube-apiserver's rerouted requests meanwhile
+    mvproxy_rerouted: float = 0.0  # the old mvproxy's
+    audited: str = ""  # the new server's audit entry (user, groups, address)
+    direct: str = ""  # straight at the old kube-apiserver
+    direct_rerouted: float = 0.0
+
+
+def _rerouted(text: str) -> float:
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("apiserver_rerouted_request_total"))
+
+
+def _backend_rerouted(cluster: Any) -> float:
+    return _rerouted(admin_client(cluster, OLD, BUILTIN).call("GET", "/metrics").body.decode())
+
+
+def _mvproxy_rerouted(cluster: Any) -> float:
+    import urllib.request
+
+    url = f"{cluster.server(OLD).admin_url}/metrics"
+    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT) as response:
+        return _rerouted(response.read().decode())
+
+
+def _entries_named(path: Path, name: str, verb: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in audit_entries(path) if (e.get("objectRef") or {}).get("name") == name
+            and e.get("stage") == "ResponseComplete" and verb in (None, e.get("verb"))]
+
+
+def both_proxies(cluster: Any, versions: tuple[str, str]) -> Both:
+    """The ``BOTH`` scenario on a running cluster (``start_pair(..., BOTH)``)."""
+    new_only = pick_new_only(cluster)
+    both = Both(versions, new_only.kind)
+    name, direct_name = "cmp-both", "cmp-both-direct"
+    client = admin_client(cluster, OLD, MVPROXY)
+    backend, ours = _backend_rerouted(cluster), _mvproxy_rerouted(cluster)
+    made = client.call("POST", new_only.collection, body=new_only.make(name))
+    got = client.call("GET", f"{new_only.collection}/{name}")
+    both.via_mvproxy = f"create {made.describe()}, get {got.describe()}"
+    entry = wait_audit(cluster.server(NEW).audit_log, f"{new_only.collection}/{name}")
+    time.sleep(1.0)  # the audit log trails the answers
+    both.new_creates = len(_entries_named(cluster.server(NEW).audit_log, name, "create"))
+    both.old_entries = len(_entries_named(cluster.server(OLD).audit_log, name))
+    both.old_rerouted = _backend_rerouted(cluster) - backend
+    both.mvproxy_rerouted = _mvproxy_rerouted(cluster) - ours
+    both.audited = who(entry)
+    backend = _backend_rerouted(cluster)
+    direct = admin_client(cluster, OLD, BUILTIN).call("POST", new_only.collection,
+                                                      body=new_only.make(direct_name))
+    both.direct = direct.describe()
+    both.direct_rerouted = _backend_rerouted(cluster) - backend
+    for gone in (name, direct_name):
+        client.call("DELETE", f"{new_only.collection}/{gone}")
+    return both
+
+
+def run_both(directory: Path, versions: tuple[str, str], *,
+             binaries: Path | None = None) -> Both:
+    with start_pair(Path(directory) / BOTH, versions, BOTH, binaries=binaries) as cluster:
+        return both_proxies(cluster, versions)
+
+
+def render_both(boths: Sequence[Both]) -> str:
+    out = ["## Both proxies at once\n",
+           "The built-in proxy on (the **built-in** flags) *and* an mvproxy in front of "
+           "each kube-apiserver: the old server's mvproxy reroutes a new-only request to "
+           "the new server's mvproxy with `x-kubernetes-peer-proxied: true`, which hands "
+           "it to its kube-apiserver; the old kube-apiserver never sees it, so its "
+           "built-in proxy adds no second hop and nothing loops. A client straight at "
+           "the old kube-apiserver still gets the built-in proxy.\n",
+           "| pair | through the old mvproxy | the new server's creates | the old server's "
+           "entries | rerouted: old mvproxy / old kube-apiserver | the new server's audit "
+           "of the get | straight at the old kube-apiserver |",
+           "|---|---|---|---|---|---|---|"]
+    for b in boths:
+        out.append(
+            f"| {' + '.join(b.versions)} ({b.kind}) | {_cell(b.via_mvproxy)} | "
+            f"{b.new_creates} | {b.old_entries} | {b.mvproxy_rerouted:.0f} / "
+            f"{b.old_rerouted:.0f} | {_cell(b.audited)} | {_cell(b.direct)} (the old "
+            f"kube-apiserver's rerouted count +{b.direct_rerouted:.0f}) |")
+    return "\n".join(out) + "\n"
+
+
 # --------------------------------------------------------------------------- the document
 
 
@@ -1464,7 +1567,8 @@ def render_summary(runs: Sequence[Run]) -> str:
         f"requests (how exec, attach and port-forward start): the built-in proxy sent "
         f"{upgrade_401} of {upgrades} without any user, and the new server answered 401 "
         "(its upgrade path dials the peer itself and skips the round tripper that adds "
-        f"`X-Remote-User`, upstream-mvp.md §8 bug 1); through mvproxy {ours_ok} of "
+        "`X-Remote-User`, kubernetes/kubernetes "
+        f"`staging/src/k8s.io/apiserver/pkg/util/peerproxy/`); through mvproxy {ours_ok} of "
         f"{upgrades} arrived as the user. Impersonation: upstream forwards the "
         "impersonated user as the user, so the peer's audit log never names the "
         "impersonator; mvproxy forwards the `Impersonate-*` headers and the peer "
@@ -1492,9 +1596,10 @@ def render_summary(runs: Sequence[Run]) -> str:
         f"{'identical' if not diffs else f'different in {diffs} places'} group by group, "
         "version by version, resource by resource, through both servers of both pairs, "
         "and equal the union of the servers' own views. What upstream does not merge "
-        "differs: aggregated v2beta1 (kube-apiserver 1.35+ no longer serves it and "
-        "answers the old server's own legacy `APIGroupList`; mvproxy answers merged "
-        "v2beta1), protobuf (upstream merges it; mvproxy answers JSON, the client's "
+        "differs: aggregated v2beta1 (kube-apiserver 1.33+ no longer serves it and "
+        "answers the old server's own legacy `APIGroupList`; mvproxy offers v2beta1 "
+        "only where its backend does, so it answers the merged legacy `APIGroupList`), "
+        "protobuf (upstream merges it; mvproxy answers JSON, the client's "
         "next choice)"
         + (", and legacy discovery (" + "; ".join(legacy) + ")" if legacy else "")
         + ". " + _openapi_summary(pairs))
@@ -1915,13 +2020,15 @@ def main(argv: list[str]) -> int:
     started = datetime.datetime.now(datetime.UTC)
     t0 = time.monotonic()
     runs: list[Run] = []
+    boths: list[Both] = []
     if args.load:
         import pickle
 
         with open(args.load, "rb") as f:
-            runs, argv, started, took = pickle.load(f)
-        args.output.write_text(render(runs, [render_false404(runs)], argv, started, took),
-                               "utf-8")
+            runs, argv, started, took, *rest = pickle.load(f)
+        boths = rest[0] if rest else []
+        sections = [render_false404(runs)] + ([render_both(boths)] if boths else [])
+        args.output.write_text(render(runs, sections, argv, started, took), "utf-8")
         print(f"upstream_comparison: wrote {args.output} from {args.load}", flush=True)
         return 0
     with tempfile.TemporaryDirectory(prefix="upstream-comparison-") as tmp:
@@ -1930,13 +2037,14 @@ def main(argv: list[str]) -> int:
             print(f"upstream_comparison: {old} + {new}", flush=True)
             runs += run_pair(Path(tmp) / f"{old}-{new}", (old, new), requests=args.requests,
                              death_window=args.death_window, grace=args.gc_grace).values()
+            boths.append(run_both(Path(tmp) / f"{old}-{new}", (old, new)))
     took = time.monotonic() - t0
     if args.save:
         import pickle
 
         with open(args.save, "wb") as f:
-            pickle.dump((runs, argv, started, took), f)
-    doc = render(runs, [render_false404(runs)], argv, started, took)
+            pickle.dump((runs, argv, started, took, boths), f)
+    doc = render(runs, [render_false404(runs), render_both(boths)], argv, started, took)
     args.output.write_text(doc, "utf-8")
     print(f"upstream_comparison: wrote {args.output}", flush=True)
     return 0

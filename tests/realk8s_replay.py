@@ -1079,9 +1079,10 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("discovery/*", ("[* *].storageVersionHash present",),
              "Legacy discovery omits storageVersionHash (only the storage version migrator "
              "reads it)."),
-    Accepted("discovery/*", ("[v1 pods/resize]", "[v1 pods/checkpoint]"),
-             "The core group of every catalog comes from one upstream /api/v1 snapshot: it "
-             "lacks pods/resize (served from 1.33) and lists the alpha pods/checkpoint."),
+    Accepted("discovery/*", ("[v1 pods/checkpoint]",),
+             "The core group of every catalog comes from one upstream /api/v1 snapshot "
+             "(with pods/resize added from 1.33, as real servers list it): it lists the "
+             "alpha pods/checkpoint, which real servers do not by default."),
     Accepted("discovery/aggregated /apis protobuf, else JSON", ("header *",),
              "The simulator encodes discovery as JSON only (mvproxy asks its backends for "
              "JSON); kube answers such a client in protobuf."),

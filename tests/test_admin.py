@@ -19,8 +19,8 @@ def failed(checks):
 
 
 def test_ready_once_the_backend_is_synced_whatever_the_peers_do():
-    """Documented semantics (README, Operations): ready = backend synced; peers never
-    make a member unready."""
+    """Documented semantics (docs/operations.md, "Readiness and shutdown"): ready =
+    backend synced; peers never make a member unready."""
     cache = DiscoveryCache("a", ["b"], stale_after=10, forget_after=100)
     draining = asyncio.Event()
     assert failed(readiness_checks(cache, draining)) == {"backend-synced"}

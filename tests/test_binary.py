@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLEAN_PATH = "PATH=/usr/bin:/bin"
 IN_CHROOT = "/usr/local/bin/mvproxy"
 PKI = Path("/etc/mvproxy/pki")  # inside the chroot
-GLIBC_PROMISED = (2, 36)  # README: Debian 12's glibc
+GLIBC_PROMISED = (2, 36)  # docs/image-and-binary.md: Debian 12's glibc
 SIZE_LIMIT = 25_000_000
 
 
@@ -502,7 +502,7 @@ def test_exit_status_2_for_a_port_in_use_in_the_python_less_root(chroot):
 
 def test_a_read_only_root_works_with_tmpdir_on_a_writable_directory(chroot, tmp_path):
     """As in a container with ``readOnlyRootFilesystem``: /tmp is not writable, so the
-    binary needs TMPDIR on a writable private directory (README: /run/mvproxy)."""
+    binary needs TMPDIR on a writable private directory (docs/image-and-binary.md: /run/mvproxy)."""
     top = tmp_path / "ro-root"
     top.mkdir()
     _mount("--bind", str(chroot.top), str(top))

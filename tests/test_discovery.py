@@ -227,8 +227,8 @@ def test_documents_for_the_wrong_path_are_rejected():
     pytest.param("1.36", ("", "v1", "pods", ""), True, id="core pods"),
     pytest.param("1.36", ("", "v1", "pods", "status"), True, id="core pods/status"),
     pytest.param("1.36", ("", "v1", "pods", "eviction"), True, id="core pods/eviction"),
-    # The catalogs' core group comes from one legacy /api/v1 document without resize.
-    pytest.param("1.36", ("", "v1", "pods", "resize"), False, id="core pods/resize not listed"),
+    pytest.param("1.36", ("", "v1", "pods", "resize"), True, id="core pods/resize"),
+    pytest.param("1.32", ("", "v1", "pods", "resize"), False, id="1.32 lacks pods/resize"),
     pytest.param("1.36", ("apps", "v1", "deployments", "scale"), True, id="apps deployments/scale"),
     pytest.param("1.34", ("resource.k8s.io", "v1alpha3", "devicetaintrules", ""), True,
                  id="1.34 serves devicetaintrules"),
@@ -479,6 +479,20 @@ def test_negotiate_group(accept, expected):
     endpoints/discovery/group.go writes APIGroup with the default endpoint restrictions):
     only the legacy ``APIGroup``, merged."""
     assert negotiate(accept, aggregated=False) == expected
+
+
+@pytest.mark.parametrize(("accept", "expected"), [
+    pytest.param(KUBECTL_127.split(",")[0], NOT_ACCEPTABLE, id="v2beta1 alone: nothing left"),
+    pytest.param(KUBECTL_127, LEGACY, id="kubectl 1.27, v2beta1 then JSON: legacy"),
+    pytest.param(KUBECTL_130_TO_136, MERGED_V2, id="kubectl 1.30-1.36 still gets v2"),
+    pytest.param(f"{KUBECTL_127.split(',')[0]},{AGG_V2}", MERGED_V2, id="v2beta1 then v2: v2"),
+])
+def test_negotiate_for_a_backend_without_v2beta1(accept, expected):
+    """kube-apiserver 1.33+ no longer serves aggregated v2beta1 and takes the client's
+    next clause (measured on 1.35.4 and 1.36.3: v2beta1 alone is 406, then JSON the
+    legacy list): negotiated again so, mvproxy answers the same kind."""
+    assert negotiate(accept, v2beta1=False) == expected
+    assert negotiate(KUBECTL_127).api_version == "apidiscovery.k8s.io/v2beta1"
 
 
 def test_only_aggregated_v2_nopeer_counts_as_upstream_counts_it():

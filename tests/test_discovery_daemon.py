@@ -25,6 +25,9 @@ from daemon_support import (
 )
 
 WIDGETS, GADGETS, NOTHING = "widgets.example.com", "gadgets.example.com", "nothing.example.com"
+#: A group the backend answers ``/apis/<g>`` for although no discovery lists it, as
+#: kube-apiserver does for an APIService a newer server left in etcd.
+GHOST = "phantom.example.com"  # as long as the others: answers are compared by length
 KUBECTL = ("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"
            "application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList,"
            "application/json")
@@ -66,14 +69,15 @@ def kube_like_groups(app: web.Application) -> None:
                 403, "Forbidden", f'forbidden: User "nobody" cannot '
                                   f'{request.method.lower()} path "{request.path}"'),
                 status=403, headers=audit)
-        if request.match_info["group"] != WIDGETS:
+        name = request.match_info["group"]
+        if name not in (WIDGETS, GHOST):
             return web.json_response(_status(404, "NotFound", "the server could not find "
                                                               "the requested resource"),
                                      status=404, headers=audit)
-        return web.json_response({"kind": "APIGroup", "apiVersion": "v1", "name": WIDGETS,
-                                  "versions": [{"groupVersion": f"{WIDGETS}/v1",
+        return web.json_response({"kind": "APIGroup", "apiVersion": "v1", "name": name,
+                                  "versions": [{"groupVersion": f"{name}/v1",
                                                 "version": "v1"}],
-                                  "preferredVersion": {"groupVersion": f"{WIDGETS}/v1",
+                                  "preferredVersion": {"groupVersion": f"{name}/v1",
                                                        "version": "v1"}}, headers=audit)
 
     app.router.add_route("*", "/apis/{group:[^/]+}{slash:/?}", api_group)
@@ -186,6 +190,29 @@ async def test_group_from_the_backend_when_it_must_be(aiohttp_server, root):
         assert status == 200 and len(json.loads(body)["versions"]) == 1, body
 
 
+async def test_a_group_nobody_lists_is_a_404_even_if_the_backend_describes_it(
+        aiohttp_server, root):
+    """Real kube-apiserver 1.36.3 left beside 1.37.2's APIService objects answers
+    ``/apis/storagemigration.k8s.io`` with an APIGroup and ``/apis/<g>/v1`` with 404.
+    mvproxy lists only what some server's discovery lists, and anything it lists can be
+    got: the ghost is kube's own 404 for an unknown group; a refusal stays the
+    backend's; nothing is remembered."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        status, headers, body = await c.get(f"/apis/{GHOST}")
+        assert (status, body) == (404, b"404 page not found\n")
+        assert headers["Content-Type"] == "text/plain; charset=utf-8"
+        assert _backend_saw(c, f"/apis/{GHOST}") == 1  # the backend was asked
+        _, _, listed = await c.get("/apis", headers={"Accept": "application/json"})
+        assert GHOST not in {g["name"] for g in json.loads(listed)["groups"]}
+        status, _, body = await c.get(f"/apis/{GHOST}", who="bearer",
+                                      headers={"Authorization": "Bearer nodiscovery"})
+        assert (status, json.loads(body)["reason"]) == (403, "Forbidden")
+        status, _, body = await c.get(f"/apis/{NOTHING}")  # the backend's own 404
+        assert (status, json.loads(body)["reason"]) == (404, "NotFound")
+        assert not [key for key in c.daemon.proxy.discovery._authorized if key[1] != "/apis"]
+
+
 async def test_group_probe_asks_the_exact_path_and_a_yes_is_remembered(
         aiohttp_server, root):
     """Credentials are checked by asking the backend ``/apis/<g>`` itself; its 404 for a
@@ -199,6 +226,29 @@ async def test_group_probe_asks_the_exact_path_and_a_yes_is_remembered(
                 assert status == 200 and json.loads(body)["kind"] == "APIGroup", body
         assert _backend_saw(c, f"/apis/{WIDGETS}") == 1
         assert _backend_saw(c, f"/apis/{GADGETS}") == 1
+
+
+async def test_one_connections_yes_never_authorizes_another_connection(
+        aiohttp_server, root):
+    """The credentials memo is per connection: after the admin's certificate (no
+    token) is authorized for a group, a connection without a certificate or a token
+    sending the same (no) credential headers is still asked for, and refused by the
+    backend; so is a token that changes on a connection already authorized."""
+    async with groups_cluster(aiohttp_server, root) as c:
+        await ready(c)
+        path = f"/apis/{WIDGETS}"
+        for _ in range(2):  # the second time from the memo and the remembered yes
+            status, _, body = await c.get(path, who="admin")
+            assert status == 200 and json.loads(body)["kind"] == "APIGroup", body
+        assert _backend_saw(c, path) == 1
+        status, _, _ = await c.get(path, who="bearer")
+        assert status == 401
+        status, _, _ = await c.get(path, who="bearer", headers={"Authorization": "Bearer good"})
+        assert status == 200
+        for token in ("Bearer bad", "Bearer nodiscovery"):  # the same connection, pooled
+            status, _, _ = await c.get(path, who="bearer", headers={"Authorization": token})
+            assert status in (401, 403), token
+        assert len(c.daemon.proxy.discovery.credentials) <= 3
 
 
 async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
@@ -219,7 +269,7 @@ async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
                 for method, form in (("GET", "/apis/{}"), ("GET", "/apis/{}/"),
                                      ("HEAD", "/apis/{}")):
                     answers = []
-                    for name in (WIDGETS, GADGETS, NOTHING):
+                    for name in (WIDGETS, GADGETS, NOTHING, GHOST):
                         async with c.sessions["bearer"].request(
                                 method, c.base + form.format(name), headers=sent) as resp:
                             body = await resp.read()
@@ -227,7 +277,7 @@ async def test_an_unauthenticated_client_learns_nothing_and_grows_nothing(
                             length = int(resp.headers["Content-Length"]) - len(name)
                             answers.append((resp.status, sorted(resp.headers), length,
                                             body.replace(name.encode(), b"G")))
-                    assert answers[0] == answers[1] == answers[2], (method, form, sent)
+                    assert all(a == answers[0] for a in answers), (method, form, sent)
         for _ in range(20):
             await c.get(f"/apis/{uuid.uuid4().hex}.example.com", who="bearer",
                         headers={"Authorization": "Bearer good"})

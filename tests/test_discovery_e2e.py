@@ -104,14 +104,68 @@ def test_merged_document_headers_etag_and_304(cluster: DemoCluster) -> None:
     assert again.headers["ETag"] == etag
 
 
-def test_v2beta1_accept_gets_the_merged_v2beta1_document(cluster: DemoCluster) -> None:
-    answer = _merged(cluster, AGGREGATED_V2BETA1)
+def test_v2beta1_then_json_gets_the_merged_legacy_list_as_from_a_backend_without_it(
+        cluster: DemoCluster) -> None:
+    """kube-apiserver 1.33+ no longer serves aggregated v2beta1: a client asking for it,
+    then JSON, gets the legacy APIGroupList; through mvproxy, the merged one."""
+    sent = f"{AGGREGATED_V2BETA1},application/json"
+    own = request(cluster, OLD, "GET", "/apis", headers={"Accept": sent}, direct=True)
+    assert (own.status, own.json()["kind"]) == (200, "APIGroupList"), own
+    answer = _merged(cluster, sent)
+    assert answer.status == 200, answer
+    assert answer.headers["Content-Type"] == "application/json"
+    doc = answer.json()
+    assert doc["kind"] == "APIGroupList"
+    versions = {v["groupVersion"] for g in doc["groups"] for v in g["versions"]}
+    assert f"{SCHEDULING}/v1alpha2" in versions  # 1.36 only
+
+
+@pytest.mark.parametrize("path", ["/apis", "/api"])
+def test_v2beta1_only_is_refused_as_the_backend_refuses_it(cluster: DemoCluster,
+                                                           path: str) -> None:
+    own = request(cluster, OLD, "GET", path, headers={"Accept": AGGREGATED_V2BETA1},
+                  direct=True)
+    answer = request(cluster, OLD, "GET", path, headers={"Accept": AGGREGATED_V2BETA1})
+    assert own.status == answer.status == 406, answer
+    assert answer.json()["reason"] == own.json()["reason"] == "NotAcceptable"
+    assert answer.json()["message"] == own.json()["message"]
+
+
+@pytest.fixture(scope="module")
+def beta_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoCluster]:
+    """1.31 and 1.32: releases that still serve aggregated v2beta1."""
+    with start_cluster(tmp_path_factory.mktemp("discovery-e2e-beta"), ["1.31", "1.32"],
+                       base_port=0) as running:
+        yield running
+
+
+def test_v2beta1_is_merged_while_the_backend_serves_it(beta_cluster: DemoCluster) -> None:
+    old, new = load_catalog("1.31"), load_catalog("1.32")
+    only_new = sorted(gv for gv in group_versions(new) - group_versions(old) if gv[0])
+    assert only_new, "1.32 serves no group/version 1.31 lacks"
+    own = request(beta_cluster, OLD, "GET", "/apis", headers={"Accept": AGGREGATED_V2BETA1},
+                  direct=True)
+    assert own.headers["Content-Type"] == AGGREGATED_V2BETA1, own
+    answer = _merged(beta_cluster, AGGREGATED_V2BETA1)
     assert answer.status == 200, answer
     assert answer.headers["Content-Type"] == AGGREGATED_V2BETA1
     doc = answer.json()
     assert doc["apiVersion"] == "apidiscovery.k8s.io/v2beta1"
-    podgroups = aggregated_group_versions(doc)[("scheduling.k8s.io", "v1alpha2")]
-    assert "podgroups" in [r["resource"] for r in podgroups["resources"]]
+    assert set(only_new) <= set(aggregated_group_versions(doc))
+    assert not set(only_new) & set(aggregated_group_versions(own.json()))
+
+
+def test_v2beta1_nopeer_is_the_backends_own_answer(cluster: DemoCluster,
+                                                   beta_cluster: DemoCluster) -> None:
+    for running in (cluster, beta_cluster):
+        for sent in (f"{AGGREGATED_V2BETA1};profile=nopeer",
+                     f"{AGGREGATED_V2BETA1};profile=nopeer,application/json"):
+            own = request(running, OLD, "GET", "/apis", headers={"Accept": sent},
+                          direct=True)
+            answer = _merged(running, sent)
+            assert (answer.status, answer.headers["Content-Type"]) == \
+                (own.status, own.headers["Content-Type"]), sent
+            assert answer.json() == own.json()
 
 
 def test_nopeer_is_exactly_the_backends_own_view(cluster: DemoCluster) -> None:

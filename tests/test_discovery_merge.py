@@ -188,7 +188,8 @@ def test_a_version_also_on_a_reachable_server_is_current():
 
 
 def test_a_peers_stale_never_overrides_a_reachable_current():
-    # Upstream takes freshness from the lowest server ID (upstream-mvp.md §8.8).
+    # Upstream takes freshness from the lowest server ID (peer_aggregated_handler.go in
+    # kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/endpoints/discovery/aggregated/).
     stale_copy = grp("g1", ver("v1", res("r1"), freshness="Stale"), uid="g1-uid")
     result = merge({"a-peer": snap(stale_copy), "b-backend": snap(G1)})
     assert freshness(result, "g1", "v1") == "Current"

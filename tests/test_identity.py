@@ -6,7 +6,7 @@ certificate and, here, user certificates; the front-proxy CA signs only the
 unrelated PKI provides look-alike certificates whose CAs have the *same names* but
 other keys: only the signature tells them apart.
 
-Expectations, from DESIGN.md "Identity": peers are proven by a CA that signs only
+Expectations, from docs/security.md "Identity": peers are proven by a CA that signs only
 proxies, so a *cluster-CA* certificate named like a peer (the CSR API can issue one)
 is an ordinary USER; a certificate with several CNs identifies nobody.
 """
@@ -373,3 +373,10 @@ def test_has_credentials(downstream, raw, upgrade, expected):
     """Without credentials routing never sends a request to a peer: only what an API
     server could authenticate counts, and a token counts whether or not it is valid."""
     assert has_credentials(downstream, raw, upgrade=upgrade) is expected
+
+
+def test_downstream_kinds_are_an_enum_that_keeps_its_words():
+    assert [(k.name, str(k)) for k in identity.Kind] == [
+        ("PEER", "peer"), ("USER", "user"), ("ANONYMOUS", "anonymous"), ("REFUSED", "refused")]
+    assert identity.ANONYMOUS_DOWNSTREAM.kind == "anonymous"
+    assert identity.ANONYMOUS_DOWNSTREAM.kind is identity.Kind.ANONYMOUS

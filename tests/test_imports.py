@@ -1,4 +1,5 @@
-"""Import boundaries of DESIGN.md "Package layout", checked by import-linter.
+"""Import boundaries of docs/architecture.md ("What is pure and what does I/O"), checked
+by import-linter.
 
 The contracts live in pyproject.toml (``[tool.importlinter]``): the layers, top to
 bottom, and three forbidden imports (the daemon never imports the simulator, PKI

@@ -185,7 +185,7 @@ def test_three_control_plane_nodes_each_mount_mvproxy():
         assert (ROOT / config_mount["hostPath"]).resolve() == MVPROXY_CONFIG
         for m in node["extraMounts"]:
             # kind resolves a relative hostPath against the working directory: the
-            # repository root, where README says to run `kind create cluster`. The
+            # repository root, where docs/kind.md says to run `kind create cluster`. The
             # binary is there once `dev.py binary` has built it.
             assert not PurePosixPath(m["hostPath"]).is_absolute()
             assert (ROOT / m["hostPath"]).resolve() == BINARY.parent or \

@@ -2,8 +2,8 @@
 (the servers' and the informer's), the cache layout and lookup, and the "already built,
 nothing to do" decision.
 
-The builds themselves (minutes, gigabytes) are not run here; their README table says
-what they cost.
+The builds themselves (minutes, gigabytes) are not run here; the table in
+docs/development.md ("Real Kubernetes binaries") says what they cost.
 """
 
 from __future__ import annotations

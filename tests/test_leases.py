@@ -831,7 +831,7 @@ async def test_an_identity_lease_deleted_between_two_lists_keeps_its_peer_too(si
 
 
 async def test_a_deleted_mvproxy_lease_drops_its_peer_at_once(sim, clean):
-    """An mvproxy deletes its Lease only when it leaves (README "Membership")."""
+    """An mvproxy deletes its Lease only when it leaves (docs/membership.md)."""
     a = member(sim, "apiserver-a", 7001)
     b = member(sim, "apiserver-b", 7002)
     async with running(a, b):

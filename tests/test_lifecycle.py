@@ -12,6 +12,7 @@ import json
 import signal
 from pathlib import Path
 
+import aiohttp
 import yaml
 from process_support import WAIT, admin_get, get, start_daemon, wait_ready
 
@@ -116,6 +117,41 @@ async def test_sighup_reloads_peers_and_reports_what_needs_a_restart(root, tmp_p
     finally:
         log = stop()
     assert proc.returncode == 0, log
+
+
+async def test_sighup_moves_retry_after_with_the_poll_interval(root, tmp_path):
+    """A 503 asks clients to wait about one discovery poll: after a SIGHUP that changes
+    ``discovery.pollInterval`` every 503 says the new wait, from the request path and
+    from discovery alike (the backend here is a port nothing listens on)."""
+    dead = f"https://127.0.0.1:{free_port()}"
+    proc, port, admin, stop = start_daemon(root, tmp_path, dead)
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    try:
+        await _until(lambda: _retry_after(port, ctx, "/api/v1/namespaces"),
+                     "a 503 while the backend is down")
+        assert await _retry_after(port, ctx, "/api/v1/namespaces") == (503, "1")
+        config_file = tmp_path / "config.yaml"
+        doc = yaml.safe_load(config_file.read_text())
+        doc["discovery"] = {"pollInterval": "7s"}
+        config_file.write_text(yaml.safe_dump(doc))
+        proc.send_signal(signal.SIGHUP)
+        await _until(lambda: _contains(tmp_path, "reload applied"), "the reload's log line")
+        for path in ("/api/v1/namespaces", "/apis"):
+            assert await _retry_after(port, ctx, path) == (503, "7"), path
+    finally:
+        log = stop()
+    assert proc.returncode == 0, log
+
+
+async def _retry_after(port: int, ctx, path: str) -> tuple[int, str | None] | None:
+    """(status, Retry-After) of a GET; None while the daemon does not answer yet."""
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+            async with session.get(f"https://127.0.0.1:{port}{path}",
+                                   timeout=aiohttp.ClientTimeout(total=WAIT)) as resp:
+                return resp.status, resp.headers.get("Retry-After")
+    except aiohttp.ClientConnectionError:
+        return None
 
 
 async def _is(awaitable, expected) -> bool:

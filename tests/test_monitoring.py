@@ -110,10 +110,10 @@ def test_rules_cover_what_an_operator_needs() -> None:
     for alert, rule in rules.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), alert
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], alert
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Monitoring\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "operations.md").read_text()
+    section = page.split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
     missing = [alert for alert in rules if f"`{alert}`" not in section]
-    assert not missing, f"README's Monitoring section does not explain {missing}"
+    assert not missing, f"docs/operations.md's Monitoring section does not explain {missing}"
 
 
 # --------------------------------------------------------------- scraping

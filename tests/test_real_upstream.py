@@ -144,9 +144,10 @@ def test_plain_requests_reach_the_new_server_as_the_user(builtin, mvproxy) -> No
 
 
 def test_upgrade_requests_lose_the_user_only_upstream(builtin, mvproxy) -> None:
-    """upstream-mvp.md §8 bug 1, seen on real servers: an upgrade request (exec,
-    attach, port-forward's way in) proxied by kube-apiserver reaches the peer with no
-    user at all, which answers 401; through mvproxy the peer sees the user."""
+    """Upstream's upgrade path, seen on real servers (docs/upstream-comparison.md,
+    "Identity"): an upgrade request (exec, attach, port-forward's way in) proxied by
+    kube-apiserver reaches the peer with no user at all, which answers 401; through
+    mvproxy the peer sees the user."""
     upgrades = [n for n in _identity(builtin) if "Upgrade" in n]
     assert len(upgrades) == 4
     for name in upgrades:
@@ -187,7 +188,7 @@ def test_where_authorization_happens(builtin, mvproxy) -> None:
 
 def test_the_peer_gets_the_request_as_sent_only_through_mvproxy(builtin, mvproxy) -> None:
     """Upstream rebuilds the URL: the escaped name arrives decoded, the query keys
-    sorted (upstream-mvp.md §8 item 9); mvproxy sends path and query byte for byte."""
+    sorted (docs/upstream-comparison.md); mvproxy sends path and query byte for byte."""
     (theirs,) = [s for s in builtin.identity if "escaped name" in s.name]
     (ours,) = [s for s in mvproxy.identity if "escaped name" in s.name]
     assert theirs.seen.status == ours.seen.status == 200
@@ -216,14 +217,15 @@ def test_merged_discovery_is_upstreams(builtin, mvproxy) -> None:
 
 
 def test_discovery_forms_upstream_does_not_merge(builtin, mvproxy) -> None:
-    """Only aggregated v2 is peer-aggregated upstream. Since 1.35 kube-apiserver no
+    """Only aggregated v2 is peer-aggregated upstream. Since 1.33 kube-apiserver no
     longer serves v2beta1: a client asking for it, then JSON, gets the old server's own
-    legacy APIGroupList; mvproxy answers merged aggregated v2beta1. Protobuf: upstream
-    merges it; mvproxy encodes only JSON and skips to the client's next clause."""
+    legacy APIGroupList; mvproxy offers v2beta1 only where its backend does, so it
+    answers the merged legacy APIGroupList. Protobuf: upstream merges it; mvproxy
+    encodes only JSON and skips to the client's next clause."""
     beta = "`/apis`, aggregated v2beta1 then JSON (client-go 1.26–1.29)"
     assert _steps(builtin)[beta].seen.kind == "APIGroupList"
-    assert _steps(mvproxy)[beta].seen.kind == "APIGroupDiscoveryList"
-    assert "v=v2beta1" in _steps(mvproxy)[beta].seen.content_type
+    assert _steps(mvproxy)[beta].seen.kind == "APIGroupList"
+    assert _steps(mvproxy)[beta].seen.content_type == "application/json"
     proto = "`/apis`, aggregated protobuf first, then JSON"
     assert _steps(builtin)[proto].seen.kind == "protobuf"
     assert _steps(mvproxy)[proto].seen.kind == "APIGroupDiscoveryList"
@@ -304,10 +306,13 @@ def test_when_the_peer_dies(builtin, mvproxy) -> None:
 
 def test_the_doc_was_generated_from_these_scenarios() -> None:
     """docs/upstream-comparison.md exists, says how to regenerate it, and covers both
-    pairs; the README's claims about upstream cite it."""
+    pairs; the claims about upstream in the README and the docs pages cite it."""
     root = Path(__file__).resolve().parent.parent
     doc = (root / "docs" / "upstream-comparison.md").read_text()
     assert "python3 scripts/upstream_comparison.py" in doc.split("\n\n")[1]
     for pair in ("## 1.35.4 + 1.36.3", "## 1.36.3 + 1.37.2"):
         assert pair in doc
     assert "docs/upstream-comparison.md" in (root / "README.md").read_text()
+    for page in ("routing.md", "security.md", "deploy-kubeadm.md", "operations.md",
+                 "performance.md", "architecture.md"):
+        assert "](upstream-comparison.md" in (root / "docs" / page).read_text(), page

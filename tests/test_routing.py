@@ -1,4 +1,4 @@
-"""routing.decide: the request decision of DESIGN.md as a table, over real snapshots.
+"""routing.decide: the decision order of docs/routing.md as a table, over real snapshots.
 
 The backend is a 1.35 server and the peers 1.36 (or the reverse for a downgrade):
 1.35 serves ``scheduling.k8s.io/v1alpha1`` (``workloads``), 1.36 replaces it with
@@ -11,11 +11,14 @@ hand-made snapshots. Views come from a real ``DiscoveryCache`` driven by a fake 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Mapping
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
+from mvproxy import routing
 from mvproxy.cache import CacheView, DiscoveryCache
 from mvproxy.devcluster.catalog import load_catalog
 from mvproxy.devcluster.discoverydocs import aggregated
@@ -308,7 +311,9 @@ TABLE = [
         reason="served locally"),
     row("HEAD /apis/<g> of a group only a peer serves goes to the peer", "group on peer",
         "HEAD", "/apis/widgets.example.com", PEER, [B]),
-    row("/apis/<g> nobody serves gets the backend's 404", "upgrade", "GET",
+    row("/apis/<g> nobody lists: the backend decides, never its ghost APIGroup", "upgrade",
+        "GET", "/apis/nothing.example.com", DISCOVERY, reason="group listed by nobody"),
+    row("HEAD /apis/<g> nobody lists gets the backend's answer", "upgrade", "HEAD",
         "/apis/nothing.example.com", BACKEND, reason="served by nobody"),
     row("/apis/<g> before the first sync goes to the backend", "peer not polled yet", "GET",
         SCHED, BACKEND, reason="not synced"),
@@ -537,3 +542,20 @@ def test_decide_only_probes_indexes(method, path, credentials):
     got = decide(parse_request_info(method, path), probed, peer_proxied=False,
                  credentials=credentials, rng=random.Random(0))
     assert got == expected
+
+
+# --------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("route, word", [
+    ("BACKEND", "backend"), ("PEER", "peer"), ("DISCOVERY", "discovery"),
+    ("UNAVAILABLE", "unavailable"), ("OPENAPI_INDEX", "openapi-index")])
+def test_routes_are_an_enum_that_keeps_its_words(route, word):
+    """Metric labels, logs and JSON keep the words; a comparison with one still holds."""
+    member = routing.Route[route]
+    assert getattr(routing, route) is member
+    assert (member == word, str(member), f"{member}", json.dumps(member)) == (
+        True, word, word, f'"{word}"')
+    counter = Counter("t", "t", ["route"], registry=CollectorRegistry())
+    counter.labels(member).inc()
+    assert counter.labels(word)._value.get() == 1

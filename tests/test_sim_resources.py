@@ -591,3 +591,23 @@ async def test_protobuf_of_an_unknown_kind_is_415(client):
     response = await client.post("/api/v1/namespaces", data=body,
                                  headers={"Content-Type": PROTOBUF})
     assert response.status == 415
+
+
+async def test_pods_resize_is_served_from_1_33(client, aiohttp_client, tmp_path):
+    """Real kube-apiserver 1.35.4 and 1.36.3 list and serve ``pods/resize``; the
+    simulator of 1.36 does too (the catalog adds it from 1.33), and 1.32's does not."""
+    await call(client, "POST", PODS, pod("sized"), status=201)
+    got = await call(client, "GET", f"{PODS}/sized/resize")
+    assert (got["kind"], got["metadata"]["name"]) == ("Pod", "sized")
+    patched = await call(client, "PATCH", f"{PODS}/sized/resize",
+                         '{"metadata":{"labels":{"resized":"yes"}}}',
+                         ctype="application/merge-patch+json")
+    assert patched["kind"] == "Pod"
+    listed = await call(client, "GET", "/api/v1")
+    assert "pods/resize" in [r["name"] for r in listed["resources"]]
+    with Store(tmp_path / "old.db", event_retention=50) as store:
+        old = await aiohttp_client(build_app(catalog=load_catalog("1.32"), store=store,
+                                             server_id="sim-old"))
+        await call(old, "POST", PODS, pod("sized"), status=201)
+        refused = await call(old, "GET", f"{PODS}/sized/resize", status=404)
+        assert_status(refused, 404, "NotFound")

@@ -366,7 +366,7 @@ async def test_spdy_upgrade_echoes_bytes_exactly_including_one_mebibyte(
 
 async def test_upgrade_to_a_peer_carries_identity_and_peer_marker(
         serve_raw: Any, start_proxy: Any, contexts: dict[str, Any]) -> None:
-    """upstream-mvp.md §8.1: upstream drops the identity on upgrades; we must not."""
+    """Upstream drops the identity on upgrades (docs/upstream-comparison.md); we must not."""
     heads: list[bytes] = []
     proxy = await start_proxy(await serve_raw(lambda r, w: spdy_echo(r, w, heads)),
                               to_peer=True)

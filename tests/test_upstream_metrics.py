@@ -3,9 +3,9 @@
 Upstream kube-apiserver 1.36 defines its MVP metrics in
 ``staging/src/k8s.io/apiserver/pkg/util/peerproxy/metrics/metrics.go`` (the
 ``apiserver_*`` three) and ``staging/src/k8s.io/apiserver/pkg/endpoints/discovery/
-aggregated/metrics.go`` (the ``aggregator_discovery_*`` ones); upstream-mvp.md §6 is
-the table read from them. The daemon runs between the fakes of ``daemon_support``
-(loopback only; every server is stopped at teardown); waits are bounded loops.
+aggregated/metrics.go`` (the ``aggregator_discovery_*`` ones); docs/operations.md ("Upstream's MVP
+metrics, compared") is the table read from them. The daemon runs between the fakes of
+``daemon_support`` (loopback only; every server is stopped at teardown); waits are bounded loops.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ UPSTREAM_136 = (
      "regenerates none (the backend's own /metrics has it; merges are cache misses)"),
 )
 """Upstream 1.36's MVP metrics and every deliberate difference in what mvproxy exports;
-README.md ("Upstream's MVP metrics, compared") also says when each one moves."""
-README = Path(__file__).resolve().parents[1] / "README.md"
+docs/operations.md ("Upstream's MVP metrics, compared") also says when each one moves."""
+OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 
 NOPEER_V2 = AGGREGATED_V2 + ";profile=nopeer"
 PROTOBUF_NOPEER_V2 = NOPEER_V2.replace("application/json", "application/vnd.kubernetes.protobuf")
@@ -120,11 +120,12 @@ async def test_exported_names_types_and_labels_match_upstream_136(aiohttp_server
                 assert {sample["type"] for sample in samples} <= type_values, name
 
 
-def test_the_readme_compares_every_upstream_metric():
-    """README's table has a row per metric of upstream's peerproxy/metrics/metrics.go and
-    discovery/aggregated/metrics.go, with its type and any difference in export."""
-    readme = README.read_text()
-    table = readme[readme.index("### Upstream's MVP metrics, compared"):]
+def test_the_operations_page_compares_every_upstream_metric():
+    """docs/operations.md's table has a row per metric of upstream's
+    peerproxy/metrics/metrics.go and discovery/aggregated/metrics.go, with its type and
+    any difference in export."""
+    page = OPERATIONS.read_text()
+    table = page[page.index("\n## Upstream's MVP metrics, compared"):]
     for name, kind, _, _, exports in UPSTREAM_136:
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
         assert f"| {kind} |" in row, name
@@ -136,7 +137,7 @@ async def test_every_nopeer_discovery_request_is_counted_once(aiohttp_server, ro
     for every aggregated v2 request with ``profile=nopeer``, on ``/apis`` and ``/api``,
     whatever the method or serializer, and peers' polls are such requests
     (staging/src/k8s.io/apiserver/pkg/endpoints/discovery/aggregated/metrics.go,
-    wrapper.go; upstream-mvp.md §4.3, §5.1)."""
+    wrapper.go)."""
     name = "aggregator_discovery_nopeer_requests_total"
     polled = {"x-kubernetes-peer-proxied": "true", "Accept": PEER_ACCEPT}
     async with cluster(aiohttp_server, root) as c:

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Starts mvproxy on a kind control-plane node with what differs per node: mvproxy.service
-# runs it (README, "kind"). The node's name is its hostname (kind names the container
+# runs it (docs/kind.md). The node's name is its hostname (kind names the container
 # and the Kubernetes node alike, and kubeadm puts that name in apiserver.crt); its IP is
 # the IPv4 address Docker gives that name in /etc/hosts, the one kind passes to kubelet
 # as --node-ip and kube-apiserver advertises in the default/kubernetes Service.

@@ -85,8 +85,8 @@ def not_simulated(code: int, what: str) -> web.Response:
     Says so plainly, so nobody mistakes a simulator limit for kube's answer; genuine
     kube 404s (unknown resources, which mvproxy's routing relies on) never use this.
     """
-    return status_response(code, f"{what} is {SIM_LIMIT} (see the README's simulator "
-                                 "limits)", reason="NotFound" if code == 404 else None)
+    return status_response(code, f"{what} is {SIM_LIMIT} (see docs/simulator.md "
+                                 "for its limits)", reason="NotFound" if code == 404 else None)
 
 
 def already_exists(group: str, resource: str, name: str) -> web.Response:

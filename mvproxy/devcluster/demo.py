@@ -511,7 +511,7 @@ def mvproxy_config(sid: str, ports: tuple[int, int, int],
         },
     }
     if peers or lease_timing:
-        # Peers are proven by the front-proxy CA, which signs only proxies (DESIGN.md
+        # Peers are proven by the front-proxy CA, which signs only proxies (docs/security.md,
         # "Identity"); their serving certificates by the cluster CA.
         doc["peer"] = {"caFile": "../pki/ca.crt", "clientCAFile": "../pki/front-proxy-ca.crt",
                        "certFile": f"{pki}/front-proxy-client.crt",

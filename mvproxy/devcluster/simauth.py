@@ -71,7 +71,7 @@ DISCOVERY_PATHS = ("/api", "/api/*", "/apis", "/apis/*", "/openapi", "/openapi/*
                    *sorted(PUBLIC_PATHS))
 _READ_VERBS = frozenset(("get", "list", "watch"))
 #: mvproxy's own identity for Lease membership (``mvproxy.kubeclient``) and what the
-#: README's Role grants it: Leases in kube-system, nothing else (a stand-in for RBAC).
+#: docs/membership.md's Role grants it: Leases in kube-system, nothing else (a stand-in for RBAC).
 CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
 MVPROXY_GROUP = "system:mvproxies"
 MVPROXY_LEASE_NAMESPACE = "kube-system"

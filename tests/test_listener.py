@@ -1,0 +1,365 @@
+"""The downstream HTTP/1 protocol (``listener.DownstreamConnection``) byte by byte.
+
+A connection is driven over a fake transport: the test hands it bytes as a socket
+would (``data_received``), in whatever pieces it likes, and reads exactly what it
+wrote back. No socket, no TLS, no timers: deadlines are plain numbers, expired by
+calling ``expired`` with a later time. The handler echoes what it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+
+import pytest
+
+from mvproxy.identity import ANONYMOUS_DOWNSTREAM
+from mvproxy.listener import (
+    MAX_HEADER_FIELDS,
+    MAX_PIPELINED,
+    TRANSITIONS,
+    DownstreamConnection,
+    Exchange,
+    Limits,
+    Listener,
+    State,
+)
+
+MAX_HEAD = 2048
+
+
+class FakeTransport(asyncio.Transport):
+    """Records what the connection writes and whether it closed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = self.aborted = False
+        self.reading = True
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def write(self, data) -> None:
+        assert not self.closed, "written after close"
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def take(self) -> bytes:
+        out, self.out = bytes(self.out), bytearray()
+        return out
+
+
+async def echo(exchange: Exchange) -> None:
+    """``<method> <target> <body length> <body>``, once the whole body came."""
+    body = bytearray()
+    done = asyncio.Event()
+
+    def sink(data: bytes) -> None:
+        body.extend(data) if data else done.set()
+
+    exchange.attach_body(sink)
+    await done.wait()
+    exchange.respond(200, [("Content-Type", "text/plain")],
+                     f"{exchange.method} {exchange.target} {len(body)} ".encode() + body)
+
+
+def ok(text: bytes, *extra: bytes) -> bytes:
+    """The exact bytes of the echo's answer."""
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % len(text)
+            + b"".join(extra) + b"\r\n" + text)
+
+
+class Client:
+    def __init__(self, conn: DownstreamConnection, transport: FakeTransport):
+        self.conn, self.transport = conn, transport
+
+    async def send(self, *pieces: bytes) -> bytes:
+        """Each piece as one read; then whatever was answered once handlers settled."""
+        for piece in pieces:
+            self.conn.data_received(piece)
+        for _ in range(50):  # a fixed number of loop turns: handlers and their callbacks
+            await asyncio.sleep(0)
+        return self.transport.take()
+
+
+@pytest.fixture
+async def connect():
+    made: list[DownstreamConnection] = []
+
+    def open_one(handler=echo, max_header_bytes: int = MAX_HEAD) -> Client:
+        listener = Listener(handler=handler, limits=Limits(max_header_bytes=max_header_bytes),
+                            ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
+                            resolve_identity=lambda der: ANONYMOUS_DOWNSTREAM,
+                            anonymous=ANONYMOUS_DOWNSTREAM)
+        conn = DownstreamConnection(listener)
+        transport = FakeTransport()
+        conn.connection_made(transport)
+        made.append(conn)
+        return Client(conn, transport)
+
+    yield open_one
+    for conn in made:
+        conn.connection_lost(None)
+    await asyncio.sleep(0)
+
+
+def status_of(answer: bytes) -> tuple[int, dict, dict]:
+    """(HTTP status, header fields, JSON body) of a whole answer."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:])
+    assert int(fields["Content-Length"]) == len(body)
+    return int(lines[0].split()[1]), fields, json.loads(body)
+
+
+def assert_status(answer: bytes, code: int) -> dict:
+    """A Kubernetes ``Status`` with ``code``, labelled JSON, and the connection ends."""
+    status, fields, body = status_of(answer)
+    assert (status, fields["Content-Type"], fields["Connection"]) == (
+        code, "application/json", "close")
+    assert (body["kind"], body["apiVersion"], body["status"], body["code"]) == (
+        "Status", "v1", "Failure", code)
+    return body
+
+
+GET = b"GET /api HTTP/1.1\r\nHost: a\r\n\r\n"
+
+
+# --------------------------------------------------------------------------- states
+
+
+def test_every_state_can_end_and_closed_is_final():
+    assert set(TRANSITIONS) == set(State)
+    assert TRANSITIONS[State.CLOSED] == frozenset()
+    for state in set(State) - {State.CLOSED}:
+        assert State.CLOSED in TRANSITIONS[state]
+    # The changes every request makes, assigned without ``_to`` on the hot path:
+    cycle = [State.IDLE, State.HEAD, State.BODY, State.IDLE]
+    assert all(b in TRANSITIONS[a] for a, b in zip(cycle, cycle[1:], strict=False))
+
+
+async def test_an_illegal_transition_is_refused(connect):
+    client = connect()
+    with pytest.raises(AssertionError, match="IDLE -> TUNNEL"):
+        client.conn._to(State.TUNNEL)
+
+
+async def test_a_request_fed_one_byte_at_a_time(connect):
+    client = connect()
+    seen = [client.conn.state]
+    answer = b""
+    for byte in GET:
+        answer += await client.send(bytes([byte]))
+        if client.conn.state is not seen[-1]:
+            seen.append(client.conn.state)
+    assert answer == ok(b"GET /api 0 ")
+    assert seen == [State.IDLE, State.HEAD, State.IDLE]  # BODY passes within the last byte
+    assert not client.transport.closed
+
+
+async def test_a_body_split_across_reads_waits_in_the_body_state(connect):
+    client = connect()
+    assert await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhe") == b""
+    assert client.conn.state is State.BODY
+    assert await client.send(b"llo") == ok(b"POST /x 5 hello")
+    assert client.conn.state is State.IDLE
+
+
+async def test_a_chunked_body_is_unframed(connect):
+    client = connect()
+    answer = await client.send(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+                               b"3\r\nhel\r\n", b"2;ext=1\r\nlo\r\n", b"0\r\n\r\n")
+    assert answer == ok(b"POST /x 5 hello")
+
+
+async def test_pipelined_requests_are_answered_in_order(connect):
+    client = connect()
+    answer = await client.send(GET.replace(b"/api", b"/one") + GET.replace(b"/api", b"/two")
+                               + b"POST /three HTTP/1.1\r\nContent-Length: 1\r\n\r\nx")
+    assert answer == ok(b"GET /one 0 ") + ok(b"GET /two 0 ") + ok(b"POST /three 1 x")
+
+
+async def test_keep_alive_until_connection_close(connect):
+    client = connect()
+    assert await client.send(GET) == ok(b"GET /api 0 ")
+    assert await client.send(GET) == ok(b"GET /api 0 ")
+    answer = await client.send(b"GET /last HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert answer == ok(b"GET /last 0 ", b"Connection: close\r\n")
+    assert client.transport.closed and client.conn.state is State.CLOSING
+    assert await client.send(GET) == b""  # what comes after is not read
+
+
+async def test_a_request_pipelined_behind_connection_close_is_refused_in_the_same_read(
+        connect):
+    """llhttp refuses data after a ``Connection: close`` head, and a read's requests wait
+    for its verdict on the whole read: the 400 answers, the first request never runs.
+    (RFC 9112 §9.6 would have the first answered and the rest ignored.)"""
+    client = connect()
+    answer = await client.send(b"GET /last HTTP/1.1\r\nConnection: close\r\n\r\n" + GET)
+    assert "Data after `Connection: close`" in assert_status(answer, 400)["message"]
+
+
+async def test_http10_closes_unless_asked_to_keep_alive(connect):
+    client = connect()
+    answer = await client.send(b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert answer == ok(b"GET /a 0 ", b"Connection: keep-alive\r\n")
+    assert not client.transport.closed
+    assert await client.send(b"GET /b HTTP/1.0\r\n\r\n") == ok(b"GET /b 0 ",
+                                                               b"Connection: close\r\n")
+    assert client.transport.closed
+
+
+# --------------------------------------------------------------------------- limits
+
+
+async def test_a_head_over_the_limit_is_431_before_it_ends(connect):
+    client = connect()
+    answer = await client.send(b"GET / HTTP/1.1\r\nX-Big: ", b"a" * MAX_HEAD)
+    body = assert_status(answer, 431)
+    assert str(MAX_HEAD) in body["message"]
+    assert client.transport.closed
+
+
+async def test_a_head_just_under_the_limit_is_served(connect):
+    client = connect()
+    start = b"GET / HTTP/1.1\r\nX-Big: "
+    head = start + b"a" * (MAX_HEAD - len(start) - 4) + b"\r\n\r\n"
+    assert len(head) == MAX_HEAD
+    assert await client.send(head) == ok(b"GET / 0 ")
+
+
+async def test_too_many_header_fields_is_431(connect):
+    client = connect(max_header_bytes=1 << 20)
+    fields = b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_HEADER_FIELDS + 1))
+    answer = await client.send(b"GET / HTTP/1.1\r\n" + fields + b"\r\n")
+    assert f"more than {MAX_HEADER_FIELDS}" in assert_status(answer, 431)["message"]
+
+
+async def test_too_many_pipelined_requests_is_400(connect):
+    client = connect()
+    answer = await client.send(GET * (MAX_PIPELINED + 2))
+    assert f"more than {MAX_PIPELINED} pipelined" in assert_status(answer, 400)["message"]
+    assert client.conn.state is State.CLOSING
+
+
+async def test_a_head_that_does_not_arrive_in_time_is_408(connect):
+    client = connect()
+    assert await client.send(b"GET / HTTP/1.1\r\n") == b""
+    client.conn.expired(client.conn.deadline + 1)
+    assert_status(client.transport.take(), 408)
+
+
+async def test_an_idle_connection_just_closes(connect):
+    client = connect()
+    assert await client.send(GET) == ok(b"GET /api 0 ")
+    client.conn.expired(client.conn.deadline + 1)
+    assert client.transport.take() == b"" and client.transport.closed
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("request_bytes, code", [
+    pytest.param(b"NOT HTTP AT ALL\r\n\r\n", 400, id="garbage"),
+    pytest.param(b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400,
+                 id="two-lengths"),
+    pytest.param(b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                 400, id="length-and-chunked"),
+    pytest.param(b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, id="gzip-coding"),
+    pytest.param(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
+                 id="bad-chunk-size"),
+    pytest.param(b"CONNECT a:443 HTTP/1.1\r\n\r\n", 400, id="connect-authority"),
+    pytest.param(b"CONNECT / HTTP/1.1\r\n\r\n", 405, id="connect"),
+    pytest.param(b"GET / HTTP/2.0\r\n\r\n", 505, id="http2-version"),
+    pytest.param(b"GET http://a/ HTTP/1.1\r\n\r\n", 400, id="absolute-form"),
+    pytest.param(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Content-Length: 2\r\n\r\nab", 400, id="upgrade-with-body"),
+])
+async def test_a_refused_request_is_a_kubernetes_status_and_the_end(connect, request_bytes,
+                                                                   code):
+    client = connect()
+    assert_status(await client.send(request_bytes), code)
+    assert client.transport.closed and client.conn.state is State.CLOSING
+    assert await client.send(GET) == b""  # nothing more is read
+
+
+async def test_a_failing_handler_is_a_500_status(connect):
+    async def broken(exchange: Exchange) -> None:
+        raise RuntimeError("a bug")
+
+    client = connect(handler=broken)
+    body = assert_status(await client.send(GET), 500)
+    assert body["message"] == "internal error in mvproxy; see its log"
+
+
+async def test_garbage_behind_a_request_in_progress_gets_its_real_answer(connect):
+    """The request already upstream finishes truthfully, saying Connection: close; the
+    refusal of what followed it is not written."""
+    gate = asyncio.Event()
+
+    async def slow(exchange: Exchange) -> None:
+        await gate.wait()
+        await echo(exchange)
+
+    client = connect(handler=slow)
+    assert await client.send(GET) == b""
+    assert await client.send(b"NOT HTTP\r\n\r\n") == b""
+    assert client.conn.state is State.REFUSED
+    gate.set()
+    assert await client.send() == ok(b"GET /api 0 ", b"Connection: close\r\n")
+    assert client.transport.closed
+
+
+# --------------------------------------------------------------------------- upgrades
+
+
+async def test_an_upgrade_hands_its_bytes_to_the_tunnel(connect):
+    tunnel = bytearray()
+    early: list[bytes] = []
+
+    async def upgrade(exchange: Exchange) -> None:
+        # As ``tunnel`` does: the relayed 101 is written as it came.
+        exchange.conn.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                            b"Connection: Upgrade\r\n\r\n")
+        exchange.started = True
+        early.append(exchange.take_over(tunnel.extend))
+        await asyncio.Event().wait()  # the tunnel runs until the connection ends
+
+    client = connect(handler=upgrade)
+    answer = await client.send(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\n"
+                               b"Connection: Upgrade\r\n\r\nearly")
+    assert answer == (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                      b"Connection: Upgrade\r\n\r\n")
+    assert early == [b"early"] and client.conn.state is State.TUNNEL
+    await client.send(b"GET / HTTP/1.1\r\n\r\n")  # not HTTP any more: the tunnel's bytes
+    assert bytes(tunnel) == b"GET / HTTP/1.1\r\n\r\n"
+
+
+async def test_a_refused_upgrade_closes(connect):
+    async def refuse(exchange: Exchange) -> None:
+        exchange.respond(403, [("Content-Type", "application/json")], b"{}")
+
+    client = connect(handler=refuse)
+    answer = await client.send(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\n"
+                               b"Connection: Upgrade\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 403 Forbidden\r\n") and b"Connection: close\r\n" in answer
+    assert client.transport.closed and client.conn.state is State.CLOSING
