@@ -107,10 +107,23 @@ def config_overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and what runs compiled (``compiled``), computed only
+    when asked, so that building the parser imports none of the core."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        from mvproxy.compiled import describe
+
+        print(f"{PROG} {__version__} ({describe()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Mixed Version Proxy sidecar for kube-apiserver.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show the version, and whether the core runs compiled, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     run = sub.add_parser("run", help="run the proxy daemon")

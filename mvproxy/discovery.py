@@ -279,7 +279,7 @@ def _build_index(groups: Iterable[Mapping]) -> tuple[frozenset, frozenset, froze
     return frozenset(gvs), frozenset(gvrs), frozenset(subs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Snapshot:
     """One server's discovery (or the merged view), replaced whole, never edited.
 
@@ -300,9 +300,11 @@ class Snapshot:
     subresources: frozenset[tuple[str, str, str, str]] = field(
         init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "core", tuple(self.core))
-        object.__setattr__(self, "groups", tuple(self.groups))
+    def __init__(self, core: Iterable[dict] = (), groups: Iterable[dict] = ()) -> None:
+        # Any iterable of groups (a parsed JSON list), kept as a tuple: an explicit
+        # __init__ because compiled code checks a dataclass's argument types.
+        object.__setattr__(self, "core", tuple(core))
+        object.__setattr__(self, "groups", tuple(groups))
         gvs, gvrs, subs = _build_index((*self.core, *self.groups))
         object.__setattr__(self, "group_versions", gvs)
         object.__setattr__(self, "gvrs", gvrs)

@@ -10,7 +10,7 @@ header), can start a header or a request of its own.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import AnyStr
+from typing import overload
 
 Fields = list[tuple[str, str]]
 """Header fields in order, names as received (HTTP names are case-insensitive)."""
@@ -56,14 +56,19 @@ def reason_phrase(status: int) -> str:
     return _REASONS.get(status, "")
 
 
-def connection_tokens(value: AnyStr) -> set[AnyStr]:
+@overload
+def connection_tokens(value: str) -> set[str]: ...
+@overload
+def connection_tokens(value: bytes) -> set[bytes]: ...
+def connection_tokens(value: str | bytes) -> set[str] | set[bytes]:
     """The lowercased names one ``Connection`` field value lists: fields that end at this
     hop. The only parser of that header: the text and the raw (bytes) header filters
     must agree, so only HTTP's whitespace (SP, HTAB) is stripped (``str.strip`` would
-    also take \\x85 and \\xa0)."""
+    also take \\x85 and \\xa0). Overloads, not ``AnyStr``: mypyc compiles this module
+    and cannot narrow a type variable."""
     if isinstance(value, bytes):
         return {token for part in value.split(b",") if (token := part.strip(b" \t").lower())}
-    return {token for part in value.split(",") if (token := part.strip(" \t").lower())}
+    return {name for part in value.split(",") if (name := part.strip(" \t").lower())}
 
 
 def raw_connection_tokens(raw: RawFields, lowered: list[bytes]) -> set[bytes]:

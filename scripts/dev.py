@@ -4,8 +4,9 @@
 Needs only Python 3.11+. Creates ``.venv`` next to the repository root (or
 ``$MVPROXY_VENV``), installs every distribution in ``requirements.lock`` into it
 (hash-checked, nothing else: the lock holds the test and lint tools and the build
-backend) and mvproxy itself editable, when the lock or ``pyproject.toml`` changed
-since the last install, then runs the command there. Extra arguments go to
+backend) and mvproxy itself editable, its pure core compiled in place by the lock's
+mypyc (docs/compiled.md), when the lock, ``pyproject.toml`` or a compiled module's
+source changed since the last install, then runs the command there. Extra arguments go to
 ``mvproxy demo`` or to pytest. ``lint`` runs ruff, mypy and import-linter (what
 ``.ci/run`` checks before the tests), stopping at the first that fails. ``test`` also
 installs Chromium (Debian's ``chromium``, with apt-get when running as root) for the
@@ -48,12 +49,24 @@ def _bin(name: str) -> Path:
     return VENV / "bin" / name
 
 
+def compiled_sources() -> list[Path]:
+    """What the editable install compiles with mypyc (setup.py: mvproxy/compiled.py's
+    MODULES), and the files that decide how."""
+    setup = ROOT / "setup.py"  # imported, it only defines (setup() runs as __main__)
+    names = _load(setup, "mvproxy_dev_setup").compiled_modules()
+    return [setup, ROOT / "mvproxy" / "compiled.py",
+            *(ROOT / "mvproxy" / f"{name}.py" for name in names)]
+
+
 def _wanted_stamp() -> str:
-    """Changes with the lock (a refreshed lock reinstalls) and with pyproject.toml
-    (entry points, package data: the editable install)."""
+    """Changes with the lock (a refreshed lock reinstalls), with pyproject.toml (entry
+    points, package data: the editable install) and with the compiled modules' sources
+    (the editable install built their extensions in place: a changed .py rebuilds
+    them, so no stale extension shadows it)."""
     digest = hashlib.sha256()
-    for name in (LOCK.name, "pyproject.toml"):
-        digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes() + b"\0")
+    for path in (LOCK, ROOT / "pyproject.toml", *compiled_sources()):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes()
+                      + b"\0")
     return digest.hexdigest()
 
 
@@ -83,10 +96,14 @@ def _remove_unlocked(pip: list[str]) -> None:
 
 def _script(name: str):
     """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    return _load(ROOT / "scripts" / f"{name}.py", f"mvproxy_dev_{name}")
+
+
+def _load(path: Path, module_name: str):
+    """A Python file as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"mvproxy_dev_{name}",
-                                                  ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -114,9 +131,13 @@ def ensure_env() -> None:
                               for section in ("runtime", "dev")))
     subprocess.run(pip + ["install", "--no-deps", "--require-hashes", "-r", str(wanted)],
                    check=True, timeout=1800)
-    # The build backend comes from the lock too: nothing unpinned is downloaded.
+    # The build backend comes from the lock too: nothing unpinned is downloaded. The
+    # lock's mypy (mypyc) compiles the core in place (setup.py), so tests import the
+    # extensions; tests/test_compiled.py checks that they do. Always compiled, whatever
+    # MVPROXY_PURE says: that switch picks what a process imports, not what is built.
+    build_env = {k: v for k, v in os.environ.items() if k != "MVPROXY_PURE"}
     subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
-                   check=True, timeout=600)
+                   check=True, timeout=600, env=build_env)
     _remove_unlocked(pip)
     STAMP.write_text(_wanted_stamp())
 
@@ -228,11 +249,13 @@ def _interpreter_facts(python: Path) -> dict[str, str]:
 def binary_sources() -> list[Path]:
     """Every file whose content goes into the binary (or decides how it is built)."""
     # This file too: it holds the recipe (PyInstaller's flags, the entry script).
-    files = [ROOT / "pyproject.toml", ROOT / "scripts" / "prune_runtime.py",
+    files = [ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "scripts" / "prune_runtime.py",
              ROOT / "scripts" / "dev.py"]
+    # Not the extensions the editable install built beside the sources: the binary's
+    # build compiles its own from these sources.
     files += sorted(p for p in (ROOT / "mvproxy").rglob("*")
                     if p.is_file() and "devcluster" not in p.parts
-                    and "__pycache__" not in p.parts)
+                    and "__pycache__" not in p.parts and p.suffix != ".so")
     return files
 
 
@@ -310,6 +333,14 @@ def build_binary(output: Path = ROOT / "dist" / "mvproxy", python: Path | None =
     return output
 
 
+COMPILED_GROUP = "mvproxy._core__mypyc"
+
+
+def _compiled_in(site: Path) -> bool:
+    """Whether the wheel installed into ``site`` carries the compiled core."""
+    return any((site / "mvproxy").glob("_core__mypyc.*.so"))
+
+
 def _freeze(python: Path, facts: dict[str, str], cached: Path, work: Path) -> None:
     began = time.monotonic()
     shutil.rmtree(work, ignore_errors=True)
@@ -332,8 +363,12 @@ def _freeze(python: Path, facts: dict[str, str], cached: Path, work: Path) -> No
     # --onefile: one file; --strip: symbols off libpython and the extensions (half the
     # size); no --runtime-tmpdir: the launcher unpacks under $TMPDIR with mkdtemp, and
     # mvproxy.frozen refuses a directory another user could change.
+    # The compiled core's shared library is imported from C by each module's shim, which
+    # PyInstaller's analysis cannot see: named here (setup.py's group_name).
+    hidden = ["--hidden-import", COMPILED_GROUP] if _compiled_in(site) else []
     subprocess.run([str(build_python), "-m", "PyInstaller", "--onefile", "--strip",
                     "--noconfirm", "--clean", "--log-level", "WARN", "--name", "mvproxy",
+                    *hidden,
                     "--paths", str(site), "--distpath", str(work / "dist"),
                     "--workpath", str(work / "pyinstaller"), "--specpath", str(work),
                     str(entry)], check=True, timeout=1800, env=env, cwd=work)
@@ -437,7 +472,7 @@ def _debootstrap(cache: Path, tree: Path, done: Path) -> Path:
 # What .ci/run checks before the tests, in this order; each tool reads its own
 # configuration from pyproject.toml.
 LINTERS = (
-    ("ruff", "check", "mvproxy", "tests", "scripts", "bench"),
+    ("ruff", "check", "mvproxy", "tests", "scripts", "bench", "setup.py"),
     ("mypy", "mvproxy"),
     ("lint-imports",),
 )

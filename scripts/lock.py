@@ -12,14 +12,16 @@ one valid requirements file in three sections, each opened by a marker comment:
   (``lock.py select runtime``), so no test or lint tool reaches them.
 * ``# [dev]``: the rest of the development environment, for ``scripts/dev.py`` and
   ``.ci/run`` (which install ``runtime`` and ``dev``, never ``binary``).
-* ``# [binary]``: ``[tool.mvproxy] binary-requires`` in ``pyproject.toml`` (PyInstaller)
-  and what it needs beyond the runtime section. ``dev.py binary`` installs ``runtime``
+* ``# [binary]``: ``[tool.mvproxy] binary-requires`` in ``pyproject.toml`` (PyInstaller,
+  and mypy for mypyc, which compiles the core the binary carries) and what they need
+  beyond the runtime section. ``dev.py binary`` installs ``runtime``
   and ``binary`` into a build environment of its own, outside the development venv.
   A distribution both here and in ``dev`` (setuptools, packaging) has the same pin in
   both: this resolution is constrained to the other two.
 
-``lock.py select build`` gives the pins of ``build-system.requires`` (setuptools, which
-needs nothing else): the image and the binary build mvproxy's wheel with them and
+``lock.py select build`` gives the pins of ``build-system.requires`` and what they
+need (setuptools; mypy, whose mypyc compiles the core, and its dependencies, read from
+the lock's ``# via`` notes): the image builds mvproxy's wheel with them and
 ``--no-build-isolation``.
 
 ``python3 scripts/lock.py refresh [--upgrade]`` regenerates it with pip-tools, in three
@@ -159,6 +161,35 @@ def binary_requires(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     return list(tomllib.loads(pyproject.read_text())["tool"]["mvproxy"]["binary-requires"])
 
 
+def required_by(entry: str) -> set[str]:
+    """The canonical names an entry's ``# via`` annotation lists: what needs it."""
+    names: set[str] = set()
+    via = False
+    for line in entry.splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("# via"):
+            via = True
+            text = text.removeprefix("# via").strip()
+        elif not (via and text.startswith("#")):
+            continue
+        word = text.lstrip("#").strip().split(" ")[0]
+        if word and not word.startswith("-"):
+            names.add(canonical(word))
+    return names
+
+
+def _closure(wanted: list[str], pinned: dict[str, str]) -> list[str]:
+    """``wanted`` and, transitively, every pinned distribution one of them requires
+    (read from the ``# via`` annotations pip-compile writes), in sorted order."""
+    chosen = set(wanted)
+    while True:
+        more = {name for name, entry in pinned.items()
+                if name not in chosen and required_by(entry) & chosen}
+        if not more:
+            return sorted(chosen)
+        chosen |= more
+
+
 def select(text: str, section: str, pyproject: Path = ROOT / "pyproject.toml") -> str:
     """One section of the lock (or the build backend's pins) as a requirements file."""
     if section == BUILD:
@@ -168,7 +199,7 @@ def select(text: str, section: str, pyproject: Path = ROOT / "pyproject.toml") -
         if missing:
             raise ValueError(f"build-system.requires not in requirements.lock: {missing}; "
                              f"run `{REFRESH}`")
-        chosen = {name: pinned[name] for name in build_requires(pyproject)}
+        chosen = {name: pinned[name] for name in _closure(build_requires(pyproject), pinned)}
     else:
         chosen = sections(text)[section]
     return (f"# The [{section}] pins of requirements.lock (scripts/lock.py select)\n"

@@ -47,7 +47,7 @@ from process_support import WAIT, admin_get, daemon_config, wait_ready
 from scripts_support import script
 
 import mvproxy
-from mvproxy import tls
+from mvproxy import compiled, tls
 from mvproxy.devcluster.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -62,6 +62,11 @@ SIZE_LIMIT = 25_000_000
 
 def _dev():
     return script("dev")
+
+
+COMPILED_VERSION = f"mvproxy {mvproxy.__version__} (compiled: {', '.join(compiled.MODULES)})"
+"""What the binary's ``--version`` says: it carries the compiled core (mypyc, built in its
+build venv from the lock's [binary] mypy)."""
 
 
 def require(condition: bool, why: str) -> None:
@@ -147,7 +152,7 @@ def test_the_binary_is_one_elf_executable_that_needs_only_glibc_and_zlib(binary)
 def test_version_and_the_simulator_left_out(binary, tmp_path):
     tmp = private_dir(tmp_path / "tmp")
     done = run_binary(binary, "--version", cwd=tmp_path, TMPDIR=str(tmp))
-    assert (done.returncode, done.stdout.strip()) == (0, f"mvproxy {mvproxy.__version__}")
+    assert (done.returncode, done.stdout.strip()) == (0, COMPILED_VERSION)
     done = run_binary(binary, "demo", cwd=tmp_path, TMPDIR=str(tmp))
     assert done.returncode == 1 and "contains only the daemon" in done.stderr
     assert "Traceback" not in done.stderr
@@ -271,7 +276,7 @@ def test_the_root_has_no_python(chroot, rootfs_tree):
 
 def test_version_in_the_python_less_root(chroot):
     done = chroot.run("--version")
-    assert (done.returncode, done.stdout.strip()) == (0, f"mvproxy {mvproxy.__version__}")
+    assert (done.returncode, done.stdout.strip()) == (0, COMPILED_VERSION)
     assert chroot.unpacked() == []
 
 
@@ -510,7 +515,7 @@ def test_a_read_only_root_works_with_tmpdir_on_a_writable_directory(chroot, tmp_
         assert done.returncode != 0 and "mvproxy 0" not in done.stdout
         (top / "run" / "mvproxy").mkdir(mode=0o700)
         done = readonly.run("--version", env={"TMPDIR": "/run/mvproxy"})
-        assert (done.returncode, done.stdout.strip()) == (0, f"mvproxy {mvproxy.__version__}")
+        assert (done.returncode, done.stdout.strip()) == (0, COMPILED_VERSION)
         config, _, _ = _config(chroot, "ro-check", "https://127.0.0.1:6443")
         done = readonly.run("check-config", config, env={"TMPDIR": "/run/mvproxy"})
         assert done.returncode == 0, done.stdout + done.stderr

@@ -77,10 +77,11 @@ def test_the_sections_do_not_overlap():
 
 
 def test_the_binary_section_pins_the_binarys_tools_and_no_test_tool():
+    """PyInstaller, and mypy for mypyc (the binary carries the compiled core)."""
     binary = lock.sections(LOCK.read_text())["binary"]
     wanted = {canonicalize_name(Requirement(r).name) for r in lock.binary_requires()}
-    assert wanted == {"pyinstaller"} and wanted <= set(binary)
-    assert not set(binary) & {"pytest", "mypy", "ruff", "coverage", "hypothesis"}
+    assert wanted == {"pyinstaller", "mypy"} and wanted <= set(binary)
+    assert not set(binary) & {"pytest", "ruff", "coverage", "hypothesis"}
     assert all("--hash=sha256:" in entry for entry in binary.values())
 
 
@@ -171,7 +172,26 @@ def test_select_build_gives_the_build_backends_pins_or_names_the_missing(tmp_pat
     with pytest.raises(ValueError, match="flit-core"):
         lock.select(text, "build", pyproject)
     real = lock.entries(lock.select(LOCK.read_text(), "build"))
-    assert set(real) == set(lock.build_requires()) and real
+    assert set(lock.build_requires()) == {"setuptools", "mypy"}
+    # mypy's own dependencies come along (its typing-extensions is a runtime pin, which
+    # every build venv installs too); nothing of the test or lint tools beyond it.
+    assert {"setuptools", "mypy", "mypy-extensions", "pathspec"} <= set(real)
+    assert not set(real) & {"pytest", "ruff", "coverage", "pyinstaller"}
+
+
+def test_select_build_follows_what_the_backend_requires():
+    text = lock.assemble("aiohttp==3.14.5 \\\n    --hash=sha256:aa\n", FULL + """\
+mypy==2.4.1 \\
+    --hash=sha256:ee
+    # via -r build-system.in
+pathspec==1.1.1 \\
+    --hash=sha256:ff
+    # via
+    #   black
+    #   mypy
+""")
+    assert lock.required_by(lock.entries(text)["pathspec"]) == {"black", "mypy"}
+    assert lock._closure(["mypy"], lock.entries(text)) == ["mypy", "pathspec"]
 
 
 @pytest.mark.parametrize("text", [FULL, "# [dev] x\n" + FULL + "# [runtime] y\n",
@@ -185,10 +205,27 @@ def test_a_lock_without_its_three_sections_is_refused(text):
 def test_the_dev_stamp_changes_with_the_lock(tmp_path, monkeypatch):
     """A refreshed lock makes dev.py reinstall."""
     dev = script("dev")
-    for name in ("requirements.lock", "pyproject.toml"):
-        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    (tmp_path / "mvproxy").mkdir()
+    for path in (dev.LOCK, ROOT / "pyproject.toml", *dev.compiled_sources()):
+        (tmp_path / path.relative_to(ROOT)).write_bytes(path.read_bytes())
     monkeypatch.setattr(dev, "ROOT", tmp_path)
+    monkeypatch.setattr(dev, "LOCK", tmp_path / "requirements.lock")
     before = dev._wanted_stamp()
     with open(tmp_path / "requirements.lock", "a") as f:
         f.write("wheel==0.48.0 \\\n    --hash=sha256:00\n")
+    assert dev._wanted_stamp() != before
+
+
+def test_the_dev_stamp_changes_with_a_compiled_modules_source(tmp_path, monkeypatch):
+    """The editable install compiled it in place: a changed .py rebuilds its extension,
+    so the tests never import a stale one."""
+    dev = script("dev")
+    (tmp_path / "mvproxy").mkdir()
+    for path in (dev.LOCK, ROOT / "pyproject.toml", *dev.compiled_sources()):
+        (tmp_path / path.relative_to(ROOT)).write_bytes(path.read_bytes())
+    monkeypatch.setattr(dev, "ROOT", tmp_path)
+    monkeypatch.setattr(dev, "LOCK", tmp_path / "requirements.lock")
+    before = dev._wanted_stamp()
+    with open(tmp_path / "mvproxy" / "routing.py", "a") as f:
+        f.write("# edited\n")
     assert dev._wanted_stamp() != before

@@ -20,6 +20,7 @@ from packaging.utils import canonicalize_name
 from scripts_support import script
 
 import mvproxy
+from mvproxy import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,8 +60,9 @@ def test_every_base_image_is_pinned_by_digest():
 
 RUNTIME_SELECT = "python scripts/lock.py select runtime --output runtime-requirements.txt"
 BUILD_SELECT = "python scripts/lock.py select build --output build-requirements.txt"
+# The runtime pins too: mypy's typing-extensions is one of them.
 BUILD_INSTALL = ("/opt/build/bin/pip install --no-cache-dir --no-deps --require-hashes "
-                 "-r build-requirements.txt")
+                 "-r runtime-requirements.txt -r build-requirements.txt")
 
 
 def test_dependencies_install_only_from_the_hash_checked_lock():
@@ -127,27 +129,35 @@ def _pip(python, *args):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # two venvs, and mypyc compiling the core (about 40 s alone)
 def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     """The Dockerfile's build stage, step by step, in a fresh virtual environment."""
     # The build backend from the lock, hash-checked, in a venv of its own; the wheel is
     # then built with no index at all: the backend's pins are all it needs.
     build_env, build = tmp_path / "build-venv", tmp_path / "build-requirements.txt"
     venv.EnvBuilder(with_pip=True).create(build_env)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "lock.py"), "select", "build",
-                    "--output", str(build)], check=True, timeout=60)
+    runtime = tmp_path / "runtime-requirements.txt"
+    for section, out in (("build", build), ("runtime", runtime)):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "lock.py"), "select", section,
+                        "--output", str(out)], check=True, timeout=60)
     _pip(build_env / "bin" / "python", "install", "--no-deps", "--require-hashes", "-r",
-         str(build))
+         str(runtime), "-r", str(build))
     wheels = tmp_path / "wheels"
     _pip(build_env / "bin" / "python", "wheel", "--no-deps", "--no-build-isolation",
          "--no-index", "--wheel-dir", str(wheels), str(ROOT))
     (wheel,) = wheels.glob("mvproxy-*.whl")
+    # The image ships the compiled core (mypyc, from the build pins), the .py beside it.
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in (*compiled.MODULES, "_core__mypyc"):
+        assert any(n.startswith(f"mvproxy/{name}.cpython-") and n.endswith(".so")
+                   for n in names), (name, sorted(names))
+    assert {f"mvproxy/{name}.py" for name in compiled.MODULES} <= names
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    # The Dockerfile's selection of the lock's runtime section, then its install.
-    runtime = tmp_path / "runtime-requirements.txt"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "lock.py"), "select", "runtime",
-                    "--output", str(runtime)], check=True, timeout=60)
+    # The Dockerfile's selection of the lock's runtime section (above), then its install.
     _pip(python, "install", "--no-deps", "--require-hashes", "-r", str(runtime))
     _pip(python, "install", "--no-deps", str(wheel))
     site = Path(subprocess.run([str(python), "-c", "import sysconfig;"
@@ -170,7 +180,8 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
     # Run outside the repository so the working tree cannot be imported by mistake.
     version = subprocess.run([str(env_dir / "bin" / "mvproxy"), "--version"], cwd=tmp_path,
                              capture_output=True, text=True, check=True, timeout=60)
-    assert version.stdout.strip() == f"mvproxy {mvproxy.__version__}"
+    assert version.stdout.strip() == (f"mvproxy {mvproxy.__version__} "
+                                      f"(compiled: {', '.join(compiled.MODULES)})")
     probe = ("import mvproxy, mvproxy.cli, mvproxy.config, mvproxy.tls, mvproxy.devpki;"
              "print(mvproxy.__file__)")
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
@@ -189,11 +200,14 @@ def test_image_runtime_tree_installs_runs_and_has_no_simulator(tmp_path):
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_release_catalogs():
+@pytest.mark.timeout(300)  # an isolated build: pip fetches setuptools and mypy first
+def test_wheel_ships_the_release_catalogs(monkeypatch):
     """`mvproxy sim` and the demo read them at run time; the wheel has no tests/data."""
     import tempfile
     import zipfile
 
+    # What is compiled is the image test's; here a pure build (setup.py) is quicker.
+    monkeypatch.setenv("MVPROXY_PURE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         _pip(sys.executable, "wheel", "--no-deps", "--wheel-dir", tmp, str(ROOT))
         (wheel,) = Path(tmp).glob("mvproxy-*.whl")
