@@ -30,15 +30,11 @@ from typing import Any, AnyStr
 
 from multidict import CIMultiDict
 
-from mvproxy import tunnel, wire
+from mvproxy import failover, tunnel, wire
 from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamShuttingDown,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-    UpstreamUnserved,
 )
 from mvproxy.identity import REMOTE_PREFIX, Downstream, identity_headers
 from mvproxy.listener import DownstreamConnection, Exchange
@@ -49,11 +45,11 @@ from mvproxy.wire import PEER_PROXIED
 log = logging.getLogger(__name__)
 
 AUDIT_ID = "Audit-ID"
-UNSERVED = "x-mvproxy-unserved"
+UNSERVED = failover.UNSERVED
 """Set by an mvproxy on its 503 when nothing reached its backend. Only read on answers
 from peers (whose serving certificates mvproxy verified), and never relayed: the
 first mvproxy fails over to another capable peer instead."""
-IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS"))
+IDEMPOTENT = failover.IDEMPOTENT
 REPLAY_LIMIT = 1024 * 1024
 """Request-body bytes kept so a request can go to the next peer if the first one says
 nothing reached its backend (Kubernetes objects are at most ~1.5 MiB; larger bodies
@@ -206,7 +202,7 @@ _RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connectio
               REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user",
               b"x-forwarded-for", b"host", frozenset(n.encode() for n in _SET_TO_PEER))
 RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
-UNSERVED_RAW = UNSERVED.encode()
+UNSERVED_RAW = failover.UNSERVED_RAW
 
 
 def response_headers(fields: wire.Fields) -> wire.Fields:
@@ -223,19 +219,6 @@ class ForwardError(Exception):
         super().__init__(str(cause))
         self.cause = cause
         self.retryable = retryable
-
-
-def _may_resend(exc: UpstreamError, method: str, body_started: bool) -> bool:
-    """Never resend bytes that may have reached a server, unless the method is idempotent.
-
-    A body already read from the downstream is gone: it cannot be sent again, whatever
-    the method (unless a copy was kept, which the caller checks).
-    """
-    if body_started:
-        return False
-    if isinstance(exc, (UpstreamConnectError, UpstreamUnserved)):
-        return True
-    return method in IDEMPOTENT
 
 
 async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
@@ -273,7 +256,7 @@ async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
             # other idle ones probably died with it: the server restarted or left).
             cause = UpstreamProtocolError(upstream.name, "connection closed before any response")
             if attempt == 2 or not exchange.replayable():
-                raise ForwardError(cause, retryable=_may_resend(
+                raise ForwardError(cause, retryable=failover.may_resend(
                     cause, exchange.method, not exchange.replayable())) from None
             for idle in list(pool.idle):
                 idle.close()
@@ -313,22 +296,17 @@ caller tries a fresh one)."""
 def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnection
                   ) -> HeadFailure:
     """What a failure before the response head means for the request."""
-    upstream = conn.upstream
-    if isinstance(error, _TimedOut):
-        cause: UpstreamError = UpstreamTimeout(upstream.name, "timed out waiting for the "
-                                                              "response")
-        return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
-                                                         exchange.body_started))
-    assert isinstance(error, UpstreamError)
-    cause = error
-    if conn.reset and not conn.received:
-        cause = UpstreamUnreachable(upstream.name, "stopped answering; polling found it "
-                                                   "unreachable")
-    elif (isinstance(error, UpstreamProtocolError) and not conn.received
-          and conn.requests > 1 and exchange.method in IDEMPOTENT):
+    assert isinstance(error, (UpstreamError, _TimedOut))
+    cause, stale = failover.classify(
+        None if isinstance(error, _TimedOut) else error, conn.upstream.name,
+        method=exchange.method, reset=conn.reset, received=conn.received,
+        reused=conn.requests > 1)
+    if stale:
         return _StaleConnection()
-    return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
-                                                     not exchange.replayable()))
+    body_gone = exchange.body_started if isinstance(error, _TimedOut) \
+        else not exchange.replayable()
+    return ForwardError(cause, retryable=failover.may_resend(cause, exchange.method,
+                                                             body_gone))
 
 
 def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
@@ -457,14 +435,6 @@ async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, he
             pool.discard(conn)
 
 
-def _shutting_down(raw: wire.RawFields, lowered: list[bytes]) -> bool:
-    """kube-apiserver's answer while it drains (``--shutdown-send-retry-after``): 429
-    with ``Connection: close``, which its load-shedding 429s (priority and fairness,
-    max-in-flight) do not send; the request was not processed."""
-    return b"close" in wire.raw_connection_tokens(raw, lowered) \
-        and b"retry-after" in lowered
-
-
 def _retrieved(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
@@ -546,16 +516,14 @@ class _Relay:
     def on_head(self, status: int, reason: bytes, raw: wire.RawFields,
                 lowered: list[bytes]) -> None:
         self.status, self.reason, self.raw, self.lowered = status, reason, raw, lowered
-        if self.check_unserved and status == 503 and UNSERVED_RAW in lowered:
-            self._settle("head", UpstreamUnserved(self.conn.upstream.name,
-                                                     "nothing reached its backend"))
-            return
-        if status == 429 and self.check_shutdown and b"connection" in lowered \
-                and self.exchange.replayable() and _shutting_down(raw, lowered):
-            self._settle("head", UpstreamShuttingDown(
-                self.conn.upstream.name, "refused the request: shutting down",
-                wire.first(wire.decoded(raw), "retry-after")))
-            return
+        if (status == 503 and self.check_unserved) or (status == 429 and self.check_shutdown):
+            refused = failover.refusal(status, raw, lowered, self.conn.upstream.name,
+                                       to_peer=self.check_unserved,
+                                       reroutable=self.check_shutdown,
+                                       replayable=self.exchange.replayable())
+            if refused is not None:
+                self._settle("head", refused)
+                return
         if status == 101:
             return  # on_upgrade follows
         dropped = RESPONSE_DROPPED

@@ -17,21 +17,17 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
 
-from mvproxy import discovery, forwarding, openapi, routing
+from mvproxy import discovery, failover, forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import (
-    UpstreamConnectError,
     UpstreamError,
-    UpstreamShuttingDown,
-    UpstreamUnreachable,
-    UpstreamUnserved,
 )
 from mvproxy.forwarding import ForwardError, HeadFailure
 from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
@@ -223,34 +219,24 @@ class Proxy:
         serving what its peers can. Otherwise the failure is the answer."""
         log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300],
                                                          retry=exc.retryable))
-        if isinstance(exc.cause, BACKEND_DOWN):
+        failed = failover.Failed(exc.cause, exchange.method, to_peer=False,
+                                 replayable=exc.retryable, alternatives=fallback,
+                                 from_peer=exchange.downstream.is_peer)
+        verdict = failover.decide(failed, self.retry_after)
+        if verdict.backend_down:
             # Refusing connections, or shutting down: what it listed may change when
             # it is back (another version). Until a poll succeeds, routing sends what a
             # peer serves too to that peer (``routing.BACKEND_FAILING``).
             self.cache.record_failure(self.server_id, f"request: {str(exc)[:200]}")
-        if fallback and exc.retryable:
+        if verdict.action is failover.Action.NEXT:
             peers = routing.fallback_peers(info, self.cache.view(), self.rng)
             if peers:
-                reason = ("shutting_down" if isinstance(exc.cause, UpstreamShuttingDown)
-                          else "unanswered")
-                self.metrics.backend_failovers.labels(reason).inc()
+                self.metrics.backend_failovers.labels(verdict.failover).inc()
                 await self._to_peers(exchange, info, peers, long_running)
                 return
-        reply(exchange, self._backend_failure(exchange, exc))
-
-    def _backend_failure(self, exchange: Exchange, exc: ForwardError) -> Reply:
-        if exchange.downstream.is_peer and isinstance(exc.cause, UpstreamShuttingDown):
-            # Refused unprocessed: the peer that sent this may try another, as when
-            # nothing reached the backend at all.
-            answer = upstream_failure(UpstreamUnserved(exc.cause.upstream, str(exc.cause)),
-                                      "the backend API server", self.retry_after)
-        else:
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
-                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
-        if exchange.downstream.is_peer and answer.status == 503:
-            # Nothing reached the backend: the peer that sent this may try another.
-            answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
-        return answer
+            verdict = failover.decide(replace(failed, alternatives=False), self.retry_after)
+        assert verdict.answer is not None
+        reply(exchange, verdict.answer)
 
     async def handle(self, exchange: Exchange) -> None:
         downstream = exchange.downstream
@@ -343,7 +329,7 @@ class Proxy:
                          headers: CIMultiDict[str], long_running: bool,
                          last: ForwardError | None,
                          gvr: tuple[str, str, str]) -> None:
-        for peer_id, upstream in targets:
+        for index, (peer_id, upstream) in enumerate(targets):
             if last is not None:
                 self.metrics.peer_failovers.inc()
             try:
@@ -355,14 +341,22 @@ class Proxy:
                 # request; polling reports the peer's state change once.
                 log.log(V(3), "peer request failed", extra=kv(
                     peer=peer_id, error=str(exc)[:300], retry=exc.retryable))
-                if not exc.retryable:
-                    break
-                continue
+                if self._peer_verdict(exchange, exc, index + 1 < len(targets)).action \
+                        is failover.Action.NEXT:
+                    continue
+                break
             return
         assert last is not None
         self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        reply(exchange, upstream_failure(last.cause, "every capable peer", self.retry_after,
-                                         idempotent=exchange.method in forwarding.IDEMPOTENT))
+        answer = self._peer_verdict(exchange, last, False).answer
+        assert answer is not None
+        reply(exchange, answer)
+
+    def _peer_verdict(self, exchange: Exchange, exc: ForwardError,
+                      alternatives: bool) -> failover.Verdict:
+        return failover.decide(failover.Failed(
+            exc.cause, exchange.method, to_peer=True, replayable=exc.retryable,
+            alternatives=alternatives), self.retry_after)
 
     def _rerouted(self, exchange: Exchange, gvr: tuple[str, str, str]) -> None:
         """Count a request sent to peers once, when it ends, by the status line the
@@ -471,16 +465,9 @@ class Proxy:
             headers={"Retry-After": str(self.retry_after)})
 
 
-BACKEND_DOWN = (UpstreamConnectError, UpstreamUnreachable, UpstreamUnserved)
-"""Request failures that say the backend is down or going (not just slow or broken):
-no connection, ended by polling's verdict, refused unprocessed while shutting down."""
-
-
 def _may_fall_back(info: RequestInfo, peer_proxied: bool, credentials: bool) -> bool:
-    """Whether a request routed to the backend may go to a peer serving the same
-    resource if the backend cannot take it: resource requests with credentials (an
-    anonymous one never reaches a peer), never one a peer already sent here."""
-    return credentials and info.is_resource_request and not peer_proxied
+    return failover.may_fall_back(resource_request=info.is_resource_request,
+                                  peer_proxied=peer_proxied, credentials=credentials)
 
 
 MEMO_KEY_MAX = 512

@@ -35,11 +35,9 @@ from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamTimeout,
 )
 from mvproxy.forwarding import (
     ForwardError,
-    _may_resend,
     request_headers,
     response_headers,
     upstream_head,
@@ -251,45 +249,6 @@ def test_response_headers_drop_hop_by_hop_and_length_keep_repeats():
     out = CIMultiDict(response_headers(list(upstream.items())))
     assert names(out) == {"content-type", "content-encoding", "warning", "audit-id", "etag"}
     assert out.getall("Warning") == ["299 - one", "299 - two"]
-
-
-# --------------------------------------------------------------------------- failover rule
-
-@pytest.mark.parametrize("exc, method, body_started, expected", [
-    (UpstreamConnectError("p", "refused"), "GET", False, True),
-    (UpstreamConnectError("p", "refused"), "POST", False, True),
-    (UpstreamConnectError("p", "refused"), "PATCH", False, True),
-    (UpstreamConnectError("p", "refused"), "POST", True, False),
-    (UpstreamConnectError("p", "refused"), "GET", True, False),
-    (UpstreamTimeout("p", "timed out"), "GET", False, True),
-    (UpstreamTimeout("p", "timed out"), "HEAD", False, True),
-    (UpstreamTimeout("p", "timed out"), "OPTIONS", False, True),
-    (UpstreamTimeout("p", "timed out"), "POST", False, False),
-    (UpstreamTimeout("p", "timed out"), "DELETE", False, False),
-    (UpstreamTimeout("p", "timed out"), "PUT", True, False),
-    (UpstreamTimeout("p", "timed out"), "GET", True, False),
-    (UpstreamProtocolError("p", "reset"), "GET", False, True),
-    (UpstreamProtocolError("p", "reset"), "PATCH", False, False),
-    (UpstreamProtocolError("p", "reset"), "POST", True, False),
-], ids=[
-    "connect failure, GET: nothing sent, resend",
-    "connect failure, POST without body: nothing sent, resend",
-    "connect failure, PATCH before its body: nothing sent, resend",
-    "POST whose body was read: never resend",
-    "GET whose body was read: the body cannot be replayed",
-    "timeout on GET: idempotent, resend",
-    "timeout on HEAD: idempotent, resend",
-    "timeout on OPTIONS: idempotent, resend",
-    "timeout on POST: may have been applied, never resend",
-    "timeout on DELETE: may have been applied, never resend",
-    "timeout on PUT with body: never resend",
-    "timeout on GET with a consumed body: never resend",
-    "broken response on GET: idempotent, resend",
-    "broken response on PATCH: may have been applied",
-    "broken response on POST with body: never resend",
-])
-def test_may_resend(exc, method, body_started, expected):
-    assert _may_resend(exc, method, body_started) is expected
 
 
 # --------------------------------------------------------------------------- loopback chain
