@@ -413,6 +413,12 @@ class Pool:
         self.busy.add(conn)
         return conn, False
 
+    async def connect(self) -> UpstreamConnection:
+        """A new connection for one request (busy until released)."""
+        conn = await self._connect()
+        self.busy.add(conn)
+        return conn
+
     async def _connect(self) -> UpstreamConnection:
         upstream = self.upstream
         loop = asyncio.get_running_loop()
@@ -562,6 +568,13 @@ class Transport:
                 idle_expiry=self._idle_expiry)
         self._by_id[id(upstream)] = pool
         return pool
+
+    def drop_idle_of(self, upstream: Upstream) -> None:
+        """After a stale pooled connection: the others to that upstream likely died too."""
+        pool = self.pool(upstream)
+        for idle in pool.idle:
+            idle.close()
+        pool.idle.clear()
 
     def drop_idle(self, name: str) -> None:
         """Close the idle connections to upstream ``name``: the next request connects
