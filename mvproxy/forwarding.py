@@ -288,9 +288,9 @@ class Forward:
 
     __slots__ = (
         "audit_id", "conn", "dial", "downstream", "duration", "ended", "exchange",
-        "fallback", "from_peer", "head", "index", "inflight", "info", "long_running",
-        "failure", "on_end", "pool", "relay", "report", "rerouted", "retried_fresh", "services",
-        "started", "targets", "to_peer", "transport", "tunnel", "verdict",
+        "failure", "fallback", "from_peer", "head", "index", "inflight", "info",
+        "long_running", "on_end", "pool", "relay", "report", "rerouted", "retried_fresh",
+        "services", "started", "targets", "to_peer", "transport", "tunnel", "verdict",
     )
 
     def __init__(self, transport: Transport, exchange: Exchange,
@@ -447,9 +447,12 @@ class Forward:
             return
         # Per request, so not a warning: during an outage there is one per request;
         # polling reports the upstream's state change once.
-        log.log(V(3), "peer request failed" if self.to_peer else "backend request failed",
-                extra=kv(upstream=name, error=str(verdict.cause)[:300],
-                         retry=verdict.retryable))
+        if self.to_peer:
+            log.log(V(3), "peer request failed", extra=kv(
+                peer=name, error=str(verdict.cause)[:300], retry=verdict.retryable))
+        else:
+            log.log(V(3), "backend request failed", extra=kv(
+                error=str(verdict.cause)[:300], retry=verdict.retryable))
         if not self.to_peer and verdict.backend_down and services is not None:
             services.backend_failed(f"request: {str(verdict.cause)[:200]}")
         if verdict.action is failover.Action.NEXT:
