@@ -142,7 +142,7 @@ def shutting_down(raw: wire.RawFields, lowered: list[bytes]) -> bool:
         and b"retry-after" in lowered
 
 
-def may_fall_back(*, resource_request: bool, peer_proxied: bool, credentials: bool) -> bool:
+def may_fall_back(resource_request: bool, peer_proxied: bool, credentials: bool) -> bool:
     """Whether a request routed to the backend may go to a peer serving the same
     resource if the backend cannot take it: resource requests with credentials (an
     anonymous one never reaches a peer), never one a peer already sent here."""

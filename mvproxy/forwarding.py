@@ -334,12 +334,14 @@ class Forward:
             self.services.metrics.open_watches.inc()
         if self.to_peer:
             self.rerouted = True
-        self._attempt()
+        self._attempt(again=False)
 
-    def _attempt(self) -> None:
+    def _attempt(self, *, again: bool = True) -> None:
+        """Send to the current target. ``again``: not the first attempt, so the body
+        may be gone already."""
         exchange = self.exchange
-        name, upstream = self.targets[self.index]
-        if not exchange.replayable():
+        upstream = self.targets[self.index][1]
+        if again and not exchange.replayable():
             # After the body went to a connection that died, with no copy kept:
             # announcing it again would leave the upstream waiting for bytes never sent.
             self._failed(UpstreamProtocolError(

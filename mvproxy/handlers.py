@@ -93,12 +93,12 @@ class Proxy:
                                   credentials=credentials, rng=self.rng)
         if decision.reason is routing.BACKEND_FAILING:
             self.metrics.backend_failovers.labels("failing").inc()
-        if log.isEnabledFor(V(4)):
-            log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
+        if log.isEnabledFor(_V4):
+            log.log(_V4, "routed", extra=kv(method=exchange.method, route=decision.route,
                                              reason=decision.reason,
                                              peers=",".join(decision.peers)))
         route = decision.route
-        fallback = _may_fall_back(info, peer_proxied, credentials)
+        fallback = failover.may_fall_back(info.is_resource_request, peer_proxied, credentials)
         if route == routing.BACKEND:
             self._to_backend(exchange, conn, info, long_running or exchange.upgrade, fallback)
         elif route == routing.PEER:
@@ -284,10 +284,7 @@ def _ended(conn: DownstreamConnection) -> forwarding.Ended:
     return ended
 
 
-def _may_fall_back(info: RequestInfo, peer_proxied: bool, credentials: bool) -> bool:
-    return failover.may_fall_back(resource_request=info.is_resource_request,
-                                  peer_proxied=peer_proxied, credentials=credentials)
-
+_V4 = V(4)
 
 MEMO_KEY_MAX = 512
 """Longest path + query memoised: the keys are client input, and the memo must stay

@@ -170,8 +170,9 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
 }
 """The moves ``UpstreamConnection`` makes: a request out of ``IDLE``; its final head
 (``BODY``, or ``SWITCHED`` for a ``101``), then its end (a HEAD's answer ends at its
-head); ``CLOSED`` when the connection ends, from anywhere, for good. Anything else is a
-bug in mvproxy (``RuntimeError``); bytes nobody asked for end the connection."""
+head); ``CLOSED`` when the connection ends, from anywhere, for good. llhttp's callbacks
+make the moves of a response (in its order); a request sent out of turn is a bug in
+mvproxy (``RuntimeError``); bytes nobody asked for end the connection."""
 
 
 class UpstreamConnection(FlowControl):
@@ -298,7 +299,7 @@ class UpstreamConnection(FlowControl):
             self._interim = True
             handler.on_interim(status, self._reason, raw, lowered)
             return
-        self._to(State.SWITCHED if status == 101 else State.BODY)
+        self.state = State.SWITCHED if status == 101 else State.BODY  # from AWAITING_HEAD
         self._keep_alive = parser.should_keep_alive()
         self._until_close = (not self._head_request and status not in (204, 304)
                              and b"content-length" not in lowered
@@ -324,8 +325,8 @@ class UpstreamConnection(FlowControl):
             self._finish(handler, trailers)
 
     def _finish(self, handler: ResponseHandler, trailers: wire.RawFields) -> None:
-        if self.state is not State.SWITCHED:  # llhttp ends a 101's message too
-            self._to(State.IDLE)
+        if self.state is State.BODY:  # (llhttp ends a 101's message too: still SWITCHED)
+            self.state = State.IDLE
         self._handler = None
         handler.on_end(trailers)
 

@@ -155,8 +155,7 @@ def test_refusal(status, raw, to_peer, reroutable, replayable, expected):
     pytest.param(False, False, True, False, id="not a resource request (/healthz, /version)"),
 ])
 def test_may_fall_back(resource, peer_proxied, credentials, expected):
-    assert may_fall_back(resource_request=resource, peer_proxied=peer_proxied,
-                         credentials=credentials) is expected
+    assert may_fall_back(resource, peer_proxied, credentials) is expected
 
 
 # --------------------------------------------------------------------------- decide

@@ -115,11 +115,17 @@ def send(conn: UpstreamConnection, method: str = "GET") -> Recorder:
 
 
 def feed_bytes(conn: UpstreamConnection, data: bytes) -> list[State]:
-    """Feed ``data`` one byte at a time; the state after each byte."""
+    """Feed ``data`` one byte at a time; the state after each byte. Every change must
+    be one or two moves the transition table allows (a HEAD's final byte is its head
+    and its end)."""
     states = []
     for index in range(len(data)):
+        before = conn.state
         conn.data_received(data[index:index + 1])
-        states.append(conn.state)
+        after = conn.state
+        assert after is before or after in TRANSITIONS[before] or any(
+            after in TRANSITIONS[middle] for middle in TRANSITIONS[before]), (before, after)
+        states.append(after)
     return states
 
 
