@@ -288,7 +288,7 @@ class Forward:
 
     __slots__ = (
         "audit_id", "conn", "dial", "downstream", "duration", "ended", "exchange",
-        "failure", "fallback", "from_peer", "head", "index", "inflight", "info",
+        "failure", "fallback", "head", "index", "inflight", "info",
         "long_running", "on_end", "pool", "relay", "report", "rerouted", "retried_fresh",
         "services", "started", "targets", "to_peer", "transport", "tunnel", "verdict",
     )
@@ -305,7 +305,6 @@ class Forward:
             on_end, long_running, services, info)
         self.fallback = fallback
         """The backend's failure may send the request to a peer (``may_fall_back``)."""
-        self.from_peer = exchange.downstream.is_peer and not report
         self.audit_id = audit_id
         self.inflight: Gauge | None = route[0] if route is not None else None
         self.duration: Histogram | None = route[1] if route is not None else None
@@ -321,6 +320,11 @@ class Forward:
         self.verdict: failover.Verdict | None = None
         self.failure: Exception | None = None
         """A bug in mvproxy met inside the dialling task: the listener answers 500."""
+
+    @property
+    def from_peer(self) -> bool:
+        """The downstream is a peer mvproxy (told when nothing reached the backend)."""
+        return not self.report and self.exchange.downstream.is_peer
 
     # ---------------------------------------------------------------- attempts
 
@@ -537,7 +541,8 @@ class Forward:
         if self.dial is not None:
             self.dial.cancel()
             self.dial = None
-        self._drop(release=False)
+        if self.relay is not None or self.conn is not None:
+            self._drop(release=False)
         if not self.report:
             self.exchange.cancel_hook = None
         services = self.services

@@ -132,7 +132,7 @@ class Proxy:
                                                       client=conn.raw_client_address)
         upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
         forwarding.Forward(self.transport, exchange, conn, [(upstream.name, upstream)], head,
-                           on_end=_ended(conn), long_running=long_running, to_peer=False,
+                           on_end=_finished, long_running=long_running, to_peer=False,
                            services=self, info=info, fallback=fallback,
                            route=self._route_metrics(route)).start()
 
@@ -150,7 +150,7 @@ class Proxy:
         head, _ = forwarding.upstream_head(exchange, targets[0][1].raw_authority,
                                            client=conn.raw_client_address, audit_id=audit_id)
         forwarding.Forward(self.transport, exchange, conn, targets, head,
-                           on_end=_ended(conn), long_running=long_running, to_peer=True,
+                           on_end=_finished, long_running=long_running, to_peer=True,
                            services=self, info=info, audit_id=audit_id,
                            route=self._route_metrics(routing.PEER)).start()
 
@@ -278,10 +278,8 @@ class Proxy:
         exchange.respond(200, fields, body)
 
 
-def _ended(conn: DownstreamConnection) -> forwarding.Ended:
-    def ended(forward: forwarding.Forward, cancelled: bool) -> None:
-        conn.finish(forward.exchange, cancelled=cancelled, failure=forward.failure)
-    return ended
+def _finished(forward: forwarding.Forward, cancelled: bool) -> None:
+    forward.downstream.finish(forward.exchange, cancelled=cancelled, failure=forward.failure)
 
 
 _V4 = V(4)

@@ -214,11 +214,6 @@ class UpstreamConnection(FlowControl):
         if sock is not None:
             _keepalive(sock)
 
-    def _to(self, state: State) -> None:
-        if state not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"upstream connection: {self.state.value} -> {state.value}")
-        self.state = state
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         was = self.state
@@ -339,7 +334,10 @@ class UpstreamConnection(FlowControl):
 
     def send(self, head: bytes, handler: ResponseHandler, *, method: str) -> None:
         """Write a request head; the response goes to ``handler``."""
-        self._to(State.AWAITING_HEAD)
+        if self.state is not State.IDLE:  # the only state ``TRANSITIONS`` sends from
+            raise RuntimeError(f"upstream connection: {self.state.value} -> "
+                               f"{State.AWAITING_HEAD.value}")
+        self.state = State.AWAITING_HEAD
         self.requests += 1
         self.received = False
         self._handler = handler
