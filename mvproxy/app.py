@@ -303,7 +303,7 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None
     reloader = asyncio.create_task(daemon.certificates.run(reload_every)
                                    if reload_every > 0 else asyncio.sleep(0),
                                    name="mvproxy-certificates")
-    listener = Listener(handler=daemon.proxy.handle, handle_now=daemon.proxy.handle_now,
+    listener = Listener(handler=daemon.proxy.handle,
                         limits=daemon.limits,
                         ssl_context=daemon.listener_ssl,
                         resolve_identity=daemon.identity.resolve,

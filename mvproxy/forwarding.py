@@ -1,12 +1,14 @@
 """Moving one request to an upstream and its response back, streaming both ways.
 
-Nothing here decides a route: ``handlers`` passes the upstream (and the headers
-``identity`` allows). Bodies are never buffered whole: the request body goes to the
-upstream as the client sends it (reading pauses while the upstream is behind), and
-the response goes to the client as it arrives, one write per read from the
-upstream, so a small answer is one write and a watch event reaches the client when
-the upstream sends it. Flow control runs in the protocols' callbacks; the handler
-coroutine only waits for the head and for the end.
+Nothing here decides a route: ``handlers`` passes the upstreams to try (the backend,
+or capable peers in order) and the request head ``identity`` allows; ``Forward``, one
+object per request, moves it by protocol callbacks alone and asks ``failover`` what
+follows a failure before any answer (a fresh connection, the next candidate, a peer
+instead of the backend, or a ``Status``). Bodies are never buffered whole: the
+request body goes to the upstream as the client sends it (reading pauses while the
+upstream is behind), and the response goes to the client as it arrives, one write
+per read from the upstream, so a small answer is one write and a watch event reaches
+the client when the upstream sends it.
 
 The request target goes out byte for byte as received: upstream kube-apiserver
 re-encodes and sorts the query and drops escaped path segments (upstream-mvp.md §8.9);
@@ -23,37 +25,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, AnyStr
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, AnyStr, Protocol
 
 from multidict import CIMultiDict
+from prometheus_client import Gauge, Histogram
 
-from mvproxy import tunnel, wire
+from mvproxy import failover, tunnel, wire
 from mvproxy.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamShuttingDown,
     UpstreamTimeout,
-    UpstreamUnreachable,
-    UpstreamUnserved,
 )
 from mvproxy.identity import REMOTE_PREFIX, Downstream, identity_headers
+from mvproxy.kubestatus import Reply
 from mvproxy.listener import DownstreamConnection, Exchange
 from mvproxy.logs import V, kv
+from mvproxy.metrics import Metrics
+from mvproxy.requestinfo import RequestInfo
+from mvproxy.routing import group_version_path
 from mvproxy.transport import Pool, Transport, Upstream, UpstreamConnection
 from mvproxy.wire import PEER_PROXIED
 
 log = logging.getLogger(__name__)
 
 AUDIT_ID = "Audit-ID"
-UNSERVED = "x-mvproxy-unserved"
+UNSERVED = failover.UNSERVED
 """Set by an mvproxy on its 503 when nothing reached its backend. Only read on answers
 from peers (whose serving certificates mvproxy verified), and never relayed: the
 first mvproxy fails over to another capable peer instead."""
-IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS"))
+IDEMPOTENT = failover.IDEMPOTENT
 REPLAY_LIMIT = 1024 * 1024
 """Request-body bytes kept so a request can go to the next peer if the first one says
 nothing reached its backend (Kubernetes objects are at most ~1.5 MiB; larger bodies
@@ -159,13 +164,13 @@ def headers_for(exchange: Exchange, *, to_peer: bool) -> CIMultiDict[str]:
                            client=exchange.client_address)
 
 
-def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
-                  ) -> tuple[bytes, bool]:
+def upstream_head(exchange: Exchange, authority: bytes, *, client: bytes,
+                  audit_id: bytes = b"") -> tuple[bytes, bool]:
     """The request head for an upstream, built from the client's raw fields with the
     same rules as ``request_headers`` (the hot path: nothing is decoded), and whether
     it asserts a user (then it goes to the backend with the front-proxy certificate).
     ``audit_id``: to a peer, marked peer-proxied, with this Audit-ID unless the client
-    sent one."""
+    sent one. ``client``: the downstream's address, appended to ``X-Forwarded-For``."""
     downstream = exchange.downstream
     to_peer = bool(audit_id)
     kept, prior, host = _kept(exchange.raw, downstream.is_peer, to_peer, _RAW)
@@ -173,7 +178,7 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
                                                      authority)]
     parts += [name + b": " + value + b"\r\n" for _, name, value in kept]
     parts.append(downstream.header_lines)
-    chain = forwarded_for(prior, exchange.conn.raw_client_address, b", ")
+    chain = forwarded_for(prior, client, b", ")
     if chain is not None:
         parts.append(b"X-Forwarded-For: " + chain + b"\r\n")
     if to_peer:
@@ -186,6 +191,9 @@ def upstream_head(exchange: Exchange, authority: bytes, *, audit_id: bytes = b""
         parts.append(b"Transfer-Encoding: chunked\r\n" if exchange.chunked
                      else b"Content-Length: %d\r\n" % (exchange.body_length or 0))
         parts += [b"Expect: " + v + b"\r\n" for n, v in exchange.raw if n.lower() == b"expect"]
+    if exchange.upgrade:  # never with a body: the listener refuses those
+        parts.append(b"Connection: Upgrade\r\nUpgrade: " + b", ".join(
+            v for n, v in exchange.raw if n.lower() == b"upgrade") + b"\r\n")
     parts.append(b"\r\n")
     asserts = bool(downstream.header_lines) or any(
         lowered == _RAW.remote_user for lowered, _, _ in kept)
@@ -206,7 +214,7 @@ _RAW = _Names(frozenset(n.encode() for n in _REQUEST_DROPPED), b"_", b"connectio
               REMOTE_PREFIX.encode(), PEER_PROXIED.encode(), b"x-remote-user",
               b"x-forwarded-for", b"host", frozenset(n.encode() for n in _SET_TO_PEER))
 RESPONSE_DROPPED = wire.HOP_BY_HOP_RAW | {b"content-length", UNSERVED.encode()}
-UNSERVED_RAW = UNSERVED.encode()
+UNSERVED_RAW = failover.UNSERVED_RAW
 
 
 def response_headers(fields: wire.Fields) -> wire.Fields:
@@ -217,68 +225,13 @@ def response_headers(fields: wire.Fields) -> wire.Fields:
 
 
 class ForwardError(Exception):
-    """No response reached the downstream; ``retryable`` if another upstream may try."""
+    """No response reached the downstream (``forward``); ``retryable`` if another
+    upstream may try."""
 
     def __init__(self, cause: UpstreamError, *, retryable: bool):
         super().__init__(str(cause))
         self.cause = cause
         self.retryable = retryable
-
-
-def _may_resend(exc: UpstreamError, method: str, body_started: bool) -> bool:
-    """Never resend bytes that may have reached a server, unless the method is idempotent.
-
-    A body already read from the downstream is gone: it cannot be sent again, whatever
-    the method (unless a copy was kept, which the caller checks).
-    """
-    if body_started:
-        return False
-    if isinstance(exc, (UpstreamConnectError, UpstreamUnserved)):
-        return True
-    return method in IDEMPOTENT
-
-
-async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
-                  headers: CIMultiDict[str], *, long_running: bool,
-                  reroutable: bool = False) -> None:
-    """Send the request to ``upstream`` and stream the answer to the downstream.
-
-    Raises ``ForwardError`` if no response started, saying whether the request may
-    go to another upstream; once the response has started, an upstream failure can
-    only end the stream, so the downstream connection is closed instead.
-    ``reroutable``: another server could take the request, so the backend's refusal
-    while shutting down (``_Relay.on_head``) is a ``ForwardError`` too, not relayed.
-    """
-    head = request_head(exchange, upstream, headers)
-    if not exchange.replayable():
-        # A retry after the body went to a connection that died, with no copy kept:
-        # announcing it again would leave the upstream waiting for bytes never sent.
-        raise ForwardError(UpstreamProtocolError(
-            upstream.name, "the connection closed after the request body was sent"),
-            retryable=False)
-    if upstream.is_peer and exchange.has_body:
-        exchange.keep_body_copy(REPLAY_LIMIT)
-    pool = transport.pool(upstream)
-    for attempt in (1, 2):
-        try:
-            conn, _ = await pool.acquire()
-        except UpstreamConnectError as exc:
-            raise ForwardError(exc, retryable=exchange.replayable()) from exc
-        try:
-            await _exchange(exchange, pool, conn, head, transport, long_running, reroutable)
-            return
-        except _StaleConnection:
-            # A pooled connection the upstream had closed: nothing of this request was
-            # answered; an idempotent one goes once more, on a fresh connection (the
-            # other idle ones probably died with it: the server restarted or left).
-            cause = UpstreamProtocolError(upstream.name, "connection closed before any response")
-            if attempt == 2 or not exchange.replayable():
-                raise ForwardError(cause, retryable=_may_resend(
-                    cause, exchange.method, not exchange.replayable())) from None
-            for idle in list(pool.idle):
-                idle.close()
-            pool.idle.clear()
-            log.log(V(4), "retrying on a fresh connection", extra=kv(upstream=upstream.name))
 
 
 def request_head(exchange: Exchange, upstream: Upstream, headers: CIMultiDict[str]) -> bytes:
@@ -301,203 +254,378 @@ def request_head(exchange: Exchange, upstream: Upstream, headers: CIMultiDict[st
                            retryable=False) from exc
 
 
-class _StaleConnection(Exception):
-    """A reused connection ended before any response byte (idempotent requests only)."""
+class Services(Protocol):
+    """What the engine needs from the request path above it (``handlers.Proxy``)."""
+
+    transport: Transport
+    metrics: Metrics
+
+    @property
+    def retry_after(self) -> int:
+        """Seconds a 503 asks clients to wait (reload may change it)."""
+
+    def peers(self) -> Mapping[str, Upstream]:
+        """The peers mvproxy knows now, by server ID."""
+
+    def fallback(self, info: RequestInfo) -> tuple[str, ...]:
+        """Capable peers, in order, for a request the backend did not take."""
+
+    def unavailable(self, info: RequestInfo, peers: tuple[str, ...]) -> Reply:
+        """The 503 when membership has none of ``peers`` any more."""
+
+    def backend_failed(self, error: str) -> None:
+        """The backend is down or going (routing prefers peers until it polls well)."""
 
 
-HeadFailure = ForwardError | _StaleConnection
-"""Why ``forward_now`` answered nothing: a failure, or a dead pooled connection (the
-caller tries a fresh one)."""
+Target = tuple[str, Upstream]
+Ended = Callable[["Forward", bool], None]
+"""Told once when the request is over: ``(forward, cancelled)``."""
 
 
-def _head_failure(error: BaseException, exchange: Exchange, conn: UpstreamConnection
-                  ) -> HeadFailure:
-    """What a failure before the response head means for the request."""
-    upstream = conn.upstream
-    if isinstance(error, _TimedOut):
-        cause: UpstreamError = UpstreamTimeout(upstream.name, "timed out waiting for the "
-                                                              "response")
-        return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
-                                                         exchange.body_started))
-    assert isinstance(error, UpstreamError)
-    cause = error
-    if conn.reset and not conn.received:
-        cause = UpstreamUnreachable(upstream.name, "stopped answering; polling found it "
-                                                   "unreachable")
-    elif (isinstance(error, UpstreamProtocolError) and not conn.received
-          and conn.requests > 1 and exchange.method in IDEMPOTENT):
-        return _StaleConnection()
-    return ForwardError(cause, retryable=_may_resend(cause, exchange.method,
-                                                     not exchange.replayable()))
+class Forward:
+    """One forwarded request, moved by protocol callbacks alone (no task, except one
+    per new upstream connection being dialled): the attempt list (the backend, or
+    capable peers in order), the pooled connection and its relay, the failover rules
+    on each failure before an answer (``failover.decide``), and one ``finish`` that
+    records the request's metrics and hands the connections back."""
 
+    __slots__ = (
+        "audit_id", "conn", "dial", "downstream", "duration", "ended", "exchange",
+        "failure", "fallback", "head", "index", "inflight", "info",
+        "long_running", "on_end", "pool", "relay", "report", "rerouted", "retried_fresh",
+        "services", "started", "targets", "to_peer", "transport", "tunnel", "verdict",
+    )
 
-def forward_now(exchange: Exchange, transport: Transport, upstream: Upstream,
-                head: bytes, *, long_running: bool,
-                finished: Callable[[HeadFailure | None, bool], None],
-                reroutable: bool = False) -> _Inline | None:
-    """The common case without a coroutine: a plain request on an idle pooled
-    connection, moved entirely by protocol callbacks. None: nothing was done (no idle
-    connection, or an upgrade), use ``forward``. ``finished(failure,
-    cancelled)`` is called once: failure None when the answer went out (or was cut),
-    else what stopped it before any answer (the caller continues in a coroutine).
-    ``reroutable`` as for ``forward``."""
-    if exchange.upgrade:
-        return None
-    pool = transport.pool(upstream)
-    conn = pool.take_idle()
-    if conn is None:
-        return None
-    if upstream.is_peer and exchange.has_body:
-        exchange.keep_body_copy(REPLAY_LIMIT)
-    inline = _Inline(exchange, transport, pool, conn, long_running, finished, reroutable)
-    inline.start(head)
-    return inline
+    def __init__(self, transport: Transport, exchange: Exchange,
+                 downstream: DownstreamConnection, targets: list[Target], head: bytes, *,
+                 on_end: Ended, long_running: bool, to_peer: bool,
+                 services: Services | None = None, info: RequestInfo | None = None,
+                 fallback: bool = False, audit_id: bytes = b"",
+                 route: tuple[Gauge, Histogram] | None = None, report: bool = False):
+        self.transport, self.exchange, self.downstream = transport, exchange, downstream
+        self.targets, self.index, self.head, self.to_peer = targets, 0, head, to_peer
+        self.on_end, self.long_running, self.services, self.info = (
+            on_end, long_running, services, info)
+        self.fallback = fallback
+        """The backend's failure may send the request to a peer (``may_fall_back``)."""
+        self.audit_id = audit_id
+        self.inflight: Gauge | None = route[0] if route is not None else None
+        self.duration: Histogram | None = route[1] if route is not None else None
+        self.report = report
+        """Report the verdict (``forward``) instead of answering with it."""
+        self.started = 0.0
+        self.pool: Pool | None = None
+        self.conn: UpstreamConnection | None = None
+        self.relay: _Relay | None = None
+        self.dial: asyncio.Task | None = None
+        self.tunnel: tunnel.Tunnel | None = None
+        self.retried_fresh = self.rerouted = self.ended = False
+        self.verdict: failover.Verdict | None = None
+        self.failure: Exception | None = None
+        """A bug in mvproxy met inside the dialling task: the listener answers 500."""
 
+    @property
+    def from_peer(self) -> bool:
+        """The downstream is a peer mvproxy (told when nothing reached the backend)."""
+        return not self.report and self.exchange.downstream.is_peer
 
-class _Inline:
-    """One request forwarded by callbacks alone (see ``forward_now``)."""
+    # ---------------------------------------------------------------- attempts
 
-    __slots__ = ("exchange", "transport", "pool", "conn", "long_running", "finished", "relay")
+    def start(self) -> None:
+        if not self.report:  # else the awaiting task is what gets cancelled
+            self.exchange.cancel_hook = self.cancel
+        if self.inflight is not None:
+            self.started = time.perf_counter()
+            self.inflight.inc()
+        if self.long_running and self.services is not None:
+            self.services.metrics.open_watches.inc()
+        if self.to_peer:
+            self.rerouted = True
+        self._attempt(again=False)
 
-    def __init__(self, exchange: Exchange, transport: Transport, pool: Pool,
-                 conn: UpstreamConnection, long_running: bool,
-                 finished: Callable[[HeadFailure | None, bool], None],
-                 reroutable: bool = False):
-        self.exchange, self.transport, self.pool, self.conn = exchange, transport, pool, conn
-        self.long_running, self.finished = long_running, finished
-        self.relay = _Relay(exchange, conn, transport.loop,
-                            check_unserved=pool.upstream.is_peer, notify=self.settled,
-                            check_shutdown=reroutable)
+    def _attempt(self, *, again: bool = True) -> None:
+        """Send to the current target. ``again``: not the first attempt, so the body
+        may be gone already."""
+        exchange = self.exchange
+        upstream = self.targets[self.index][1]
+        if again and not exchange.replayable():
+            # After the body went to a connection that died, with no copy kept:
+            # announcing it again would leave the upstream waiting for bytes never sent.
+            self._failed(UpstreamProtocolError(
+                upstream.name, "the connection closed after the request body was sent"))
+            return
+        if upstream.is_peer and exchange.has_body:
+            exchange.keep_body_copy(REPLAY_LIMIT)
+        pool = self.pool = self.transport.pool(upstream)
+        conn = pool.take_idle()
+        if conn is None:
+            self.dial = self.transport.loop.create_task(self._connect(pool))
+            return
+        self._send(conn)
 
-    def start(self, head: bytes) -> None:
-        transport, relay, exchange = self.transport, self.relay, self.exchange
+    async def _connect(self, pool: Pool) -> None:
+        """The one task of a request, while a new connection is dialled."""
+        try:
+            conn = await pool.connect()
+        except UpstreamConnectError as exc:
+            self.dial = None
+            self._guarded(self._failed, exc)
+            return
+        self.dial = None
+        if self.ended:
+            pool.release(conn)
+            return
+        self._guarded(self._send, conn)
+
+    def _guarded(self, step: Callable[[Any], None], arg: Any) -> None:
+        """Run ``step`` from the dialling task: nobody awaits it, so an exception
+        ends the request here (the listener answers 500 if nothing went out)."""
+        try:
+            step(arg)
+        except Exception as exc:  # noqa: BLE001 - reported by the listener
+            self.failure = exc
+            self.finish()
+
+    def _send(self, conn: UpstreamConnection) -> None:
+        self.conn = conn
+        exchange, transport = self.exchange, self.transport
+        relay = self.relay = _Relay(self, exchange, self.downstream, conn)
         transport.deadlines.add(relay, transport.loop.time() + transport.request_timeout,
                                 relay.expire, transport.loop)
-        self.conn.send(head, relay, method=exchange.method)
-        if exchange.has_body:
+        conn.send(self.head, relay, method=exchange.method)
+        if exchange.has_body and not exchange.upgrade:
             exchange.attach_body(relay.body_sink)
 
-    def settled(self, stage: str, error: BaseException | None) -> None:
-        if stage == "head":
-            if error is None:
-                if self.long_running:
-                    self.transport.deadlines.discard(self.relay)  # may stay open for hours
-                return
-            failure = _head_failure(error, self.exchange, self.conn)
-            self._cleanup(release=False)
-            self.finished(failure, False)
-            return
+    # ---------------------------------------------------------------- relay reports
+
+    def head_ok(self) -> None:
+        relay, conn, pool = self.relay, self.conn, self.pool
+        assert relay is not None and conn is not None and pool is not None
+        if self.long_running:
+            self.transport.deadlines.discard(relay)  # may stay open for hours
+        if relay.upgraded is not None:
+            self.transport.deadlines.discard(relay)
+            pool.forget(conn)  # the tunnel owns the connection now
+            self.conn = None
+            self.exchange.detach_body()
+            self.tunnel = tunnel.open_tunnel(
+                self.exchange, self.downstream, conn, relay.status, relay.reason, relay.raw,
+                relay.lowered, relay.upgraded, self.finish)
+
+    def head_failed(self, error: UpstreamError) -> None:
+        conn = self.conn
+        assert conn is not None
+        cause, stale = failover.classify(error, conn.upstream.name,
+                                         method=self.exchange.method, reset=conn.reset,
+                                         received=conn.received, reused=conn.requests > 1)
+        self._drop(release=False)
+        self._failed(cause, stale=stale)
+
+    def body_done(self, error: UpstreamError | None) -> None:
+        relay = self.relay
         if error is None:
-            self._cleanup(release=not self.relay.body_pending())
+            self._drop(release=relay is not None and not relay.body_pending())
         else:
             log.log(V(3), "stream ended early; closing the downstream connection",
-                    extra=kv(upstream=self.pool.upstream.name, error=str(error)[:200]))
+                    extra=kv(upstream=self.targets[self.index][1].name,
+                             error=str(error)[:200]))
             self.exchange.abort()
-            self._cleanup(release=False)
-        self.finished(None, False)
+            self._drop(release=False)
+        self.finish()
+
+    # ---------------------------------------------------------------- failover
+
+    def _failed(self, cause: UpstreamError, *, stale: bool = False) -> None:
+        exchange = self.exchange
+        alternatives = self.index + 1 < len(self.targets) if self.to_peer else self.fallback
+        failed = failover.Failed(cause, exchange.method, to_peer=self.to_peer,
+                                 replayable=exchange.replayable(), stale=stale,
+                                 retried_fresh=self.retried_fresh, alternatives=alternatives,
+                                 from_peer=self.from_peer, body_started=exchange.body_started)
+        services = self.services
+        retry_after = services.retry_after if services is not None else 0
+        verdict = failover.decide(failed, retry_after)
+        name = self.targets[self.index][0]
+        if verdict.action is failover.Action.RETRY_FRESH:
+            # A pooled connection the upstream had closed: the other idle ones
+            # probably died with it (the server restarted or left).
+            self.retried_fresh = True
+            self.transport.drop_idle_of(self.targets[self.index][1])
+            log.log(V(4), "retrying on a fresh connection", extra=kv(upstream=name))
+            self._attempt()
+            return
+        # Per request, so not a warning: during an outage there is one per request;
+        # polling reports the upstream's state change once.
+        if self.to_peer:
+            log.log(V(3), "peer request failed", extra=kv(
+                peer=name, error=str(verdict.cause)[:300], retry=verdict.retryable))
+        else:
+            log.log(V(3), "backend request failed", extra=kv(
+                error=str(verdict.cause)[:300], retry=verdict.retryable))
+        if not self.to_peer and verdict.backend_down and services is not None:
+            services.backend_failed(f"request: {str(verdict.cause)[:200]}")
+        if verdict.action is failover.Action.NEXT:
+            if self.to_peer:
+                if services is not None:
+                    services.metrics.peer_failovers.inc()
+                self._next_target(self.index + 1)
+                return
+            if services is not None and self.info is not None:
+                if self._fall_back(services, self.info, verdict):
+                    return
+            verdict = failover.decide(replace(failed, alternatives=False), retry_after)
+        self.verdict = verdict
+        if self.to_peer and services is not None:
+            services.metrics.peer_proxy_errors.labels("proxy_transport",
+                                                      *gvr_labels(self.info)).inc()
+        if not self.report and verdict.answer is not None:
+            answer = verdict.answer
+            exchange.respond(answer.status, answer.fields, answer.body)
+        self.finish()
+
+    def _fall_back(self, services: Services, info: RequestInfo,
+                   verdict: failover.Verdict) -> bool:
+        """The backend did not take it: the peers serving the same resource do."""
+        ids = services.fallback(info)
+        if not ids:
+            return False
+        services.metrics.backend_failovers.labels(verdict.failover).inc()
+        upstreams = services.peers()
+        self.targets = [(peer_id, upstreams[peer_id]) for peer_id in ids
+                        if peer_id in upstreams]
+        if not self.targets:  # membership dropped every candidate
+            answer = services.unavailable(info, ids)
+            self.exchange.respond(answer.status, answer.fields, answer.body)
+            self.finish()
+            return True
+        self.to_peer = self.rerouted = True
+        self.audit_id = str(uuid.uuid4()).encode()
+        self._next_target(0)
+        return True
+
+    def _next_target(self, index: int) -> None:
+        self.index, self.retried_fresh = index, False
+        self.head = upstream_head(self.exchange, self.targets[index][1].raw_authority,
+                                  client=self.downstream.raw_client_address,
+                                  audit_id=self.audit_id)[0]
+        self._attempt()
+
+    # ---------------------------------------------------------------- the end
 
     def cancel(self) -> None:
         """The client left, or shutdown ends the request: drop the upstream side."""
-        self._cleanup(release=False)
-        self.finished(None, True)
+        if self.tunnel is not None:
+            self.tunnel.close()  # calls ``finish``
+            return
+        self._drop(release=False)
+        self.finish(cancelled=True)
 
-    def _cleanup(self, *, release: bool) -> None:
-        self.transport.deadlines.discard(self.relay)
+    def _drop(self, *, release: bool) -> None:
+        """Hand the upstream connection back (``release``) or abort it."""
+        relay, conn, pool = self.relay, self.conn, self.pool
         self.exchange.detach_body()
-        self.relay.notify = None  # nothing more is reported
-        if release:
-            self.pool.release(self.conn)
-        else:
-            self.pool.discard(self.conn)
+        if relay is not None:
+            self.transport.deadlines.discard(relay)
+            relay.engine = None  # nothing more is reported
+            self.relay = None
+        if conn is not None and pool is not None:
+            self.conn = None
+            if release:
+                pool.release(conn)
+            else:
+                pool.discard(conn)
+
+    def finish(self, cancelled: bool = False) -> None:
+        """The request is over (answered, cut, tunnelled and closed, or cancelled):
+        its metrics, then whoever started it is told, once."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.dial is not None:
+            self.dial.cancel()
+            self.dial = None
+        if self.relay is not None or self.conn is not None:
+            self._drop(release=False)
+        if not self.report:
+            self.exchange.cancel_hook = None
+        services = self.services
+        if self.inflight is not None and self.duration is not None:
+            self.inflight.dec()
+            self.duration.observe(time.perf_counter() - self.started)
+        if services is not None:
+            if self.long_running:
+                services.metrics.open_watches.dec()
+            if self.rerouted and self.exchange.started:
+                # Counted by the status line the client received (also when the body
+                # was then cut or the client left); none received (left, or shutdown,
+                # before any answer) is not counted: upstream would count the 503 it
+                # writes to a client already gone.
+                services.metrics.rerouted_requests.labels(
+                    str(self.exchange.status), *gvr_labels(self.info)).inc()
+        self.on_end(self, cancelled)
 
 
-async def _exchange(exchange: Exchange, pool: Pool, conn: UpstreamConnection, head: bytes,
-                    transport: Transport, long_running: bool, reroutable: bool) -> None:
-    upstream = pool.upstream
-    loop = transport.loop
-    relay = _Relay(exchange, conn, loop, check_unserved=upstream.is_peer,
-                   check_shutdown=reroutable)
-    assert relay.head is not None and relay.done is not None  # no notify: future mode
-    deadlines = transport.deadlines
-    deadlines.add(relay, loop.time() + transport.request_timeout, relay.expire, loop)
-    conn.send(head, relay, method=exchange.method)
-    if exchange.has_body and not exchange.upgrade:
-        exchange.attach_body(relay.body_sink)
-    released = False
+def gvr_labels(info: RequestInfo | None) -> tuple[str, str, str]:
+    """Metric labels; only requests some peer's discovery lists get here, so bounded."""
+    if info is None:
+        return "", "", ""
+    if info.is_resource_request:
+        return info.api_group, info.api_version, info.resource
+    group, version = group_version_path(info) or ("", "")
+    return group, version, ""
+
+
+async def forward(exchange: Exchange, transport: Transport, upstream: Upstream,
+                  headers: CIMultiDict[str], *, long_running: bool,
+                  reroutable: bool = False) -> None:
+    """``Forward`` to one upstream, awaited, for a handler that already runs in a task
+    (discovery passed through to the backend): ForwardError if no response started,
+    saying whether another upstream may take the request. ``reroutable``: the
+    backend's refusal while shutting down is such an error too, not relayed."""
+    head = request_head(exchange, upstream, headers)
+    ended: asyncio.Future[bool] = transport.loop.create_future()
+
+    def on_end(_: Forward, cancelled: bool) -> None:
+        if not ended.done():
+            ended.set_result(cancelled)
+
+    engine = Forward(transport, exchange, exchange.conn, [(upstream.name, upstream)], head,
+                     on_end=on_end, long_running=long_running, to_peer=upstream.is_peer,
+                     fallback=reroutable, report=True)
+    engine.start()
     try:
-        try:
-            await relay.head
-        except (UpstreamError, _TimedOut) as error:
-            raise _head_failure(error, exchange, conn) from error
-        if long_running:
-            deadlines.discard(relay)  # a watch may stay open for hours
-        if relay.upgraded is not None:
-            released = True  # the tunnel owns the connection now
-            pool.forget(conn)
-            await tunnel.relay(exchange, conn, relay.status, relay.reason, relay.raw,
-                               relay.lowered, relay.upgraded)
-            return
-        try:
-            await relay.done
-        except (UpstreamError, _TimedOut) as exc:
-            log.log(V(3), "stream ended early; closing the downstream connection",
-                    extra=kv(upstream=upstream.name, error=str(exc)[:200]))
-            exchange.abort()
-            return
-        if relay.body_pending():
-            released = True
-            pool.discard(conn)  # the upstream answered before taking the whole body
-        else:
-            released = True
-            pool.release(conn)
-    finally:
-        deadlines.discard(relay)
-        exchange.detach_body()
-        if not released:
-            pool.discard(conn)
-
-
-def _shutting_down(raw: wire.RawFields, lowered: list[bytes]) -> bool:
-    """kube-apiserver's answer while it drains (``--shutdown-send-retry-after``): 429
-    with ``Connection: close``, which its load-shedding 429s (priority and fairness,
-    max-in-flight) do not send; the request was not processed."""
-    return b"close" in wire.raw_connection_tokens(raw, lowered) \
-        and b"retry-after" in lowered
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-class _TimedOut(Exception):
-    """The request's deadline passed (``Transport.deadlines``)."""
+        await ended
+    except asyncio.CancelledError:
+        engine.cancel()
+        raise
+    if engine.failure is not None:
+        raise engine.failure
+    if engine.verdict is not None:
+        raise ForwardError(engine.verdict.cause, retryable=engine.verdict.retryable)
 
 
 class _Relay:
-    """Moves one upstream response to the downstream exchange (a ResponseHandler)."""
+    """Moves one upstream response to the downstream exchange (a ResponseHandler) and
+    reports its head and its end to the engine (``Forward``), once each."""
 
-    def __init__(self, exchange: Exchange, conn: UpstreamConnection,
-                 loop: asyncio.AbstractEventLoop, *, check_unserved: bool,
-                 notify: Callable[[str, BaseException | None], None] | None = None,
-                 check_shutdown: bool = False):
+    __slots__ = (
+        "_body_sent", "_chunked_body", "_done_settled", "_ended", "_head_settled", "_out",
+        "_with_body", "check_shutdown", "check_unserved", "conn", "downstream", "engine",
+        "exchange", "lowered", "raw", "reason", "status", "upgraded",
+    )
+
+    def __init__(self, engine: Forward, exchange: Exchange, downstream: DownstreamConnection,
+                 conn: UpstreamConnection):
+        self.engine: Forward | None = engine
         self.exchange = exchange
+        self.downstream = downstream
+        """Where the response goes (the upstream connection reads in small pieces
+        while it is behind: ``flow.READ_CHUNK_BEHIND``)."""
         self.conn = conn
-        self.check_unserved = check_unserved
-        self.check_shutdown = check_shutdown
+        self.check_unserved = engine.to_peer
+        self.check_shutdown = not engine.to_peer and (engine.fallback or engine.from_peer)
         """A 429 with ``Connection: close`` (kube-apiserver shutting down) fails the
         head instead of being relayed, when the request could be sent elsewhere."""
-        self.notify = notify
-        """Callback mode (``_Inline``): told ("head" | "done", error) instead of futures."""
-        self.head: asyncio.Future[None] | None = None
-        self.done: asyncio.Future[None] | None = None
-        if notify is None:
-            self.head, self.done = loop.create_future(), loop.create_future()
-            # A failure may settle a future nobody awaits any more (the head failed and
-            # the connection then closed): without this asyncio reports it at exit as
-            # "Future exception was never retrieved".
-            self.head.add_done_callback(_retrieved)
-            self.done.add_done_callback(_retrieved)
         self._head_settled = self._done_settled = False
         self.status = 0
         self.reason = b""
@@ -510,12 +638,6 @@ class _Relay:
         self._body_sent = not exchange.has_body or exchange.upgrade
         self._chunked_body = exchange.chunked
 
-    @property
-    def downstream(self) -> DownstreamConnection:
-        """Where the response goes (the upstream connection reads in small pieces
-        while it is behind: ``flow.READ_CHUNK_BEHIND``)."""
-        return self.exchange.conn
-
     # ---------------------------------------------------------------- request body
 
     def body_sink(self, data: bytes) -> None:
@@ -527,7 +649,7 @@ class _Relay:
             return
         conn.write(wire.chunk(data) if self._chunked_body else data)
         if conn.paused_writing:
-            downstream = self.exchange.conn
+            downstream = self.downstream
             downstream.pause_reading("upstream")
             conn.when_writable(lambda: downstream.resume_reading("upstream"))
 
@@ -540,22 +662,20 @@ class _Relay:
                    lowered: list[bytes]) -> None:
         if self.exchange.version >= (1, 1) and not self.exchange.started:
             dropped = RESPONSE_DROPPED | wire.raw_connection_tokens(raw, lowered)
-            self.exchange.conn.write(wire.status_line(status, reason)
-                                     + wire.raw_lines(raw, lowered, dropped) + b"\r\n")
+            self.downstream.write(wire.status_line(status, reason)
+                                  + wire.raw_lines(raw, lowered, dropped) + b"\r\n")
 
     def on_head(self, status: int, reason: bytes, raw: wire.RawFields,
                 lowered: list[bytes]) -> None:
         self.status, self.reason, self.raw, self.lowered = status, reason, raw, lowered
-        if self.check_unserved and status == 503 and UNSERVED_RAW in lowered:
-            self._settle("head", UpstreamUnserved(self.conn.upstream.name,
-                                                     "nothing reached its backend"))
-            return
-        if status == 429 and self.check_shutdown and b"connection" in lowered \
-                and self.exchange.replayable() and _shutting_down(raw, lowered):
-            self._settle("head", UpstreamShuttingDown(
-                self.conn.upstream.name, "refused the request: shutting down",
-                wire.first(wire.decoded(raw), "retry-after")))
-            return
+        if (status == 503 and self.check_unserved) or (status == 429 and self.check_shutdown):
+            refused = failover.refusal(status, raw, lowered, self.conn.upstream.name,
+                                       to_peer=self.check_unserved,
+                                       reroutable=self.check_shutdown,
+                                       replayable=self.exchange.replayable())
+            if refused is not None:
+                self._head(refused)
+                return
         if status == 101:
             return  # on_upgrade follows
         dropped = RESPONSE_DROPPED
@@ -567,7 +687,7 @@ class _Relay:
         self.exchange.start_raw(status, wire.status_line(status, reason)
                                 + wire.raw_lines(raw, lowered, dropped), length=length,
                                 bodiless=not self._with_body or status in (204, 304))
-        self._settle("head", None)
+        self._head(None)
 
     def on_body(self, data: bytes) -> None:
         if self._with_body and self.exchange.started:
@@ -575,19 +695,23 @@ class _Relay:
 
     def on_end(self, trailers: wire.RawFields) -> None:
         self._ended = wire.decoded(trailers) if trailers else []
-        if not self._head_settled:  # e.g. the unserved marker's body ended
-            self._settle("head", None)
+        if not self._head_settled and self.status != 101:  # e.g. the unserved marker's
+            self._head(None)  # body ended (a 101's end comes before ``on_upgrade``)
 
     def on_upgrade(self, early: bytes) -> None:
         self.upgraded = early
-        self._settle("head", None)
+        self._head(None)
 
     def expire(self) -> None:
-        """The request timeout passed: whichever wait is current ends with _TimedOut."""
-        self._settle("done" if self._head_settled else "head", _TimedOut())
+        """The request timeout passed: whichever wait is current ends with a timeout."""
+        self.on_error(UpstreamTimeout(self.conn.upstream.name,
+                                      "timed out waiting for the response"))
 
     def on_error(self, error: UpstreamError) -> None:
-        self._settle("done" if self._head_settled else "head", error)
+        if self._head_settled:
+            self._done(error)
+        else:
+            self._head(error)
 
     def flush(self) -> None:
         """Everything parsed from one read goes out in one write."""
@@ -598,32 +722,30 @@ class _Relay:
         self._out.clear()
         if self._ended is not None:
             exchange.write(data, end=True, trailers=self._ended)
-            self._settle("done", None)
+            self._done(None)
             return
         exchange.write(data)
-        downstream = exchange.conn
+        downstream = self.downstream
         if downstream.paused_writing:
             conn = self.conn
             conn.pause_reading("downstream")
             downstream.when_writable(lambda: conn.resume_reading("downstream"))
 
-    def _settle(self, stage: str, error: BaseException | None) -> None:
-        """Report the head ("head") or the end ("done"), once each, to the future or
-        to ``notify``."""
-        if stage == "head":
-            if self._head_settled:
-                return
-            self._head_settled = True
-            future = self.head
+    def _head(self, error: UpstreamError | None) -> None:
+        if self._head_settled:
+            return
+        self._head_settled = True
+        engine = self.engine
+        if engine is None:
+            return
+        if error is None:
+            engine.head_ok()
         else:
-            if self._done_settled:
-                return
-            self._done_settled = True
-            future = self.done
-        if self.notify is not None:
-            self.notify(stage, error)
-        elif future is not None and not future.done():
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
+            engine.head_failed(error)
+
+    def _done(self, error: UpstreamError | None) -> None:
+        if self._done_settled:
+            return
+        self._done_settled = True
+        if self.engine is not None:
+            self.engine.body_done(error)

@@ -1,12 +1,14 @@
-"""The request path of the main listener: one handler for every request.
+"""The request path of the main listener: one entry point for every request.
 
-For each ``Exchange``: who the downstream is (computed once per connection by the
-listener), what the request is (``requestinfo``), where it goes (``routing``,
-reading one cache view; both paths, ``handle_now`` and ``handle``, tell it
-``has_credentials``, so a request without credentials never reaches a peer), then
-move the bytes (``forwarding``) or answer from the cache (``discoveryhandler``).
-Failures to reach an upstream become Kubernetes ``Status`` answers here; anything
-unexpected becomes one in the listener.
+For each ``Exchange`` (``Proxy.handle``, called by the listener with its connection):
+who the downstream is (computed once per connection by the listener), what the
+request is (``requestinfo``), where it goes (``routing``, reading one cache view and
+told ``has_credentials``, so a request without credentials never reaches a peer),
+then move the bytes by callbacks (``forwarding.Forward``: the backend, or capable
+peers in order, with ``failover`` deciding after each failure) or answer from the
+cache (``discoveryhandler``). Only merged discovery and OpenAPI documents that need
+upstream reads run in a task. Anything unexpected becomes a ``Status`` in the
+listener.
 """
 
 from __future__ import annotations
@@ -23,20 +25,15 @@ from typing import Any
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
 
-from mvproxy import discovery, forwarding, openapi, routing
+from mvproxy import discovery, failover, forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
 from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import (
-    UpstreamConnectError,
     UpstreamError,
-    UpstreamShuttingDown,
-    UpstreamUnreachable,
-    UpstreamUnserved,
 )
-from mvproxy.forwarding import ForwardError, HeadFailure
 from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
-from mvproxy.listener import Exchange
+from mvproxy.listener import DownstreamConnection, Exchange, run_in_task
 from mvproxy.logs import V, kv, throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
@@ -67,10 +64,14 @@ class Proxy:
     metrics: Metrics
     discovery: DiscoveryHandler
     rng: random.Random
-    retry_after = property(lambda self: self.discovery.live.retry_after)  # reload changes it
-    """Seconds a 503 asks clients to wait: about one discovery poll interval."""
     _by_route: dict[str, tuple[Gauge, Histogram]] = field(default_factory=dict)
     """Per route: the in-flight gauge and duration histogram children, resolved once."""
+
+    @property
+    def retry_after(self) -> int:
+        """Seconds a 503 asks clients to wait: about one discovery poll interval (read
+        from the live settings, so a reload changes it)."""
+        return self.discovery.live.retry_after
 
     def _route_metrics(self, route: str) -> tuple[Gauge, Histogram]:
         found = self._by_route.get(route)
@@ -79,183 +80,14 @@ class Proxy:
                                              self.metrics.request_duration.labels(route))
         return found
 
-    def handle_now(self, exchange: Exchange) -> bool:
-        """The common case without a coroutine: a plain request the backend serves,
-        forwarded on an idle pooled connection by callbacks alone (``forward_now``).
-        False: nothing was done; ``handle`` takes the request."""
-        downstream = exchange.downstream
-        if downstream.kind == REFUSED or exchange.upgrade:
-            return False
-        info, long_running = request_info(exchange.method, exchange.path, exchange.query)
-        exchange.watch = info.verb == "watch"
-        peer_proxied = downstream.is_peer and is_peer_proxied(downstream, exchange.headers)
-        credentials = has_credentials(downstream, exchange.raw, upgrade=exchange.upgrade)
-        decision = routing.decide(info, self.cache.view(), peer_proxied=peer_proxied,
-                                  credentials=credentials, rng=self.rng)
-        if decision.route == routing.PEER:
-            if self._peer_now(exchange, info, decision.peers, long_running):
-                if decision.reason is routing.BACKEND_FAILING:
-                    self.metrics.backend_failovers.labels("failing").inc()
-                return True
-            return False
-        if decision.route == routing.DISCOVERY:
-            return self._discovery_now(exchange, info)
-        if decision.route != routing.BACKEND:
-            return False
-        backend = self.backend
-        head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority)
-        upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
-        fallback = _may_fall_back(info, peer_proxied, credentials)
-        return self._inline(exchange, upstream, head, routing.BACKEND, long_running,
-                            ended=None, reroutable=fallback or downstream.is_peer,
-                            failed=lambda failure: self._recover(
-                                exchange, info, upstream, failure, long_running, fallback))
-
-    def _peer_now(self, exchange: Exchange, info: RequestInfo, candidates: tuple[str, ...],
-                  long_running: bool) -> bool:
-        """``handle_now`` for the peer route: the first capable peer, if it has an idle
-        pooled connection; a failure before any answer continues with the others in a
-        coroutine (``_to_peers``), with the same Audit-ID."""
-        first = self.peers().get(candidates[0]) if candidates else None
-        if first is None:
-            return False
-        audit_id = str(uuid.uuid4())
-        head, _ = forwarding.upstream_head(exchange, first.raw_authority,
-                                           audit_id=audit_id.encode())
-        gvr = _gvr_labels(info)
-        return self._inline(
-            exchange, first, head, routing.PEER, long_running,
-            ended=lambda: self._rerouted(exchange, gvr),
-            failed=lambda failure: self._peers_after(exchange, info, candidates, failure,
-                                                     audit_id, long_running))
-
-    def _inline(self, exchange: Exchange, upstream: Upstream, head: bytes, route: str,
-                long_running: bool, *, ended: Callable[[], None] | None,
-                failed: Callable[[HeadFailure], Coroutine[Any, Any, None]],
-                reroutable: bool = False) -> bool:
-        """Start ``forward_now``; when the answer went out, was cut or the client left,
-        ``ended()``; on a failure before any answer continue in the coroutine
-        ``failed(failure)``. False: nothing started."""
-        inflight, duration = self._route_metrics(route)
-        started = time.perf_counter()
-
-        def finished(failure: HeadFailure | None, cancelled: bool) -> None:
-            if failure is None:
-                if ended is not None:
-                    ended()
-                self._done(inflight, duration, started, long_running)
-                exchange.conn.finish(exchange, cancelled=cancelled)
-            else:
-                # Accounted when the task ends, even if cancelled before it started.
-                exchange.conn.continue_with(exchange, failed(failure)).add_done_callback(
-                    lambda _: self._done(inflight, duration, started, long_running))
-        inline = forwarding.forward_now(exchange, self.transport, upstream, head,
-                                        long_running=long_running, finished=finished,
-                                        reroutable=reroutable)
-        if inline is None:
-            return False
-        exchange.cancel_hook = inline.cancel
-        inflight.inc()
-        if long_running:
-            self.metrics.open_watches.inc()
-        return True
-
-    async def _peers_after(self, exchange: Exchange, info: RequestInfo,
-                           candidates: tuple[str, ...], failure: HeadFailure, audit_id: str,
-                           long_running: bool) -> None:
-        """The first peer failed before any answer: as ``_to_peers`` would go on. A stale
-        pooled connection tries that peer again afresh; otherwise the next ones."""
-        headers = forwarding.headers_for(exchange, to_peer=True)
-        headers[forwarding.AUDIT_ID] = headers.get(forwarding.AUDIT_ID, audit_id)
-        if isinstance(failure, ForwardError):
-            log.log(V(3), "peer request failed", extra=kv(
-                peer=candidates[0], error=str(failure)[:300], retry=failure.retryable))
-            await self._to_peers(exchange, info, candidates[1:], long_running,
-                                 headers=headers, last=failure)
-            return
-        self._drop_idle(self.peers()[candidates[0]])
-        await self._to_peers(exchange, info, candidates, long_running, headers=headers)
-
-    def _drop_idle(self, upstream: Upstream) -> None:
-        """After a stale pooled connection: the others to that upstream likely died too."""
-        pool = self.transport.pool(upstream)
-        for idle in list(pool.idle):
-            idle.close()
-        pool.idle.clear()
-
-    def _discovery_now(self, exchange: Exchange, info: RequestInfo) -> bool:
-        _, duration = self._route_metrics(routing.DISCOVERY)
-        started = time.perf_counter()
-        if not self.discovery.handle_now(exchange, info):
-            return False
-        duration.observe(time.perf_counter() - started)
-        exchange.conn.finish(exchange)
-        return True
-
-    def _done(self, inflight: Gauge, duration: Histogram, started: float,
-              long_running: bool) -> None:
-        inflight.dec()
-        duration.observe(time.perf_counter() - started)
-        if long_running:
-            self.metrics.open_watches.dec()
-
-    async def _recover(self, exchange: Exchange, info: RequestInfo, upstream: Upstream,
-                       failure: HeadFailure, long_running: bool, fallback: bool) -> None:
-        """After ``handle_now`` failed before any answer: a stale pooled connection is
-        retried once on a fresh one; anything else is handled as ``_to_backend``
-        would."""
-        try:
-            if isinstance(failure, ForwardError):
-                raise failure
-            self._drop_idle(upstream)
-            headers = forwarding.headers_for(exchange, to_peer=False)
-            await forwarding.forward(exchange, self.transport, upstream, headers,
-                                     long_running=long_running,
-                                     reroutable=fallback or exchange.downstream.is_peer)
-        except ForwardError as exc:
-            await self._backend_failed(exchange, info, exc, long_running, fallback)
-
-    async def _backend_failed(self, exchange: Exchange, info: RequestInfo, exc: ForwardError,
-                              long_running: bool, fallback: bool) -> None:
-        """Nothing the backend did reached the client. If the request never reached it
-        (or it refused it while shutting down) and a reachable peer serves the same
-        resource, the peer takes it: during the backend's restart this member keeps
-        serving what its peers can. Otherwise the failure is the answer."""
-        log.log(V(3), "backend request failed", extra=kv(error=str(exc)[:300],
-                                                         retry=exc.retryable))
-        if isinstance(exc.cause, BACKEND_DOWN):
-            # Refusing connections, or shutting down: what it listed may change when
-            # it is back (another version). Until a poll succeeds, routing sends what a
-            # peer serves too to that peer (``routing.BACKEND_FAILING``).
-            self.cache.record_failure(self.server_id, f"request: {str(exc)[:200]}")
-        if fallback and exc.retryable:
-            peers = routing.fallback_peers(info, self.cache.view(), self.rng)
-            if peers:
-                reason = ("shutting_down" if isinstance(exc.cause, UpstreamShuttingDown)
-                          else "unanswered")
-                self.metrics.backend_failovers.labels(reason).inc()
-                await self._to_peers(exchange, info, peers, long_running)
-                return
-        reply(exchange, self._backend_failure(exchange, exc))
-
-    def _backend_failure(self, exchange: Exchange, exc: ForwardError) -> Reply:
-        if exchange.downstream.is_peer and isinstance(exc.cause, UpstreamShuttingDown):
-            # Refused unprocessed: the peer that sent this may try another, as when
-            # nothing reached the backend at all.
-            answer = upstream_failure(UpstreamUnserved(exc.cause.upstream, str(exc.cause)),
-                                      "the backend API server", self.retry_after)
-        else:
-            answer = upstream_failure(exc.cause, "the backend API server", self.retry_after,
-                                      idempotent=exchange.method in forwarding.IDEMPOTENT)
-        if exchange.downstream.is_peer and answer.status == 503:
-            # Nothing reached the backend: the peer that sent this may try another.
-            answer.fields.append((forwarding.UNSERVED, "backend-unreachable"))
-        return answer
-
-    async def handle(self, exchange: Exchange) -> None:
+    def handle(self, exchange: Exchange, conn: DownstreamConnection) -> None:
+        """The listener's one entry point for a request on ``conn``: route it, then
+        forward it by callbacks (``forwarding.Forward``) or answer it here; merged
+        discovery and OpenAPI documents that need upstream reads run in a task."""
         downstream = exchange.downstream
         if downstream.kind == REFUSED:
             reply(exchange, status_reply(401, downstream.reason))
+            conn.finish(exchange)
             return
         info, long_running = request_info(exchange.method, exchange.path, exchange.query)
         exchange.watch = info.verb == "watch"
@@ -265,112 +97,105 @@ class Proxy:
                                   credentials=credentials, rng=self.rng)
         if decision.reason is routing.BACKEND_FAILING:
             self.metrics.backend_failovers.labels("failing").inc()
-        if log.isEnabledFor(V(4)):
-            log.log(V(4), "routed", extra=kv(method=exchange.method, route=decision.route,
+        if log.isEnabledFor(_V4):
+            log.log(_V4, "routed", extra=kv(method=exchange.method, route=decision.route,
                                              reason=decision.reason,
                                              peers=",".join(decision.peers)))
         route = decision.route
-        started = time.perf_counter()
-        inflight, duration = self._route_metrics(route)
-        inflight.inc()
-        try:
-            if route == routing.DISCOVERY:
-                await self.discovery.handle(exchange, info)
-            elif route == routing.OPENAPI_INDEX and decision.reason == routing.OPENAPI_MERGED:
-                await self._openapi_document(exchange, info, decision.peers,
-                                             _may_fall_back(info, peer_proxied, credentials))
-            elif route == routing.OPENAPI_INDEX:
-                await self._openapi_index(exchange, downstream)
-            elif route == routing.UNAVAILABLE:
-                reply(exchange, self._unavailable(info, decision))
-            else:
-                await self._forward(exchange, info, decision, route,
-                                    long_running or exchange.upgrade,
-                                    _may_fall_back(info, peer_proxied, credentials))
-        finally:
-            inflight.dec()
-            duration.observe(time.perf_counter() - started)
+        fallback = failover.may_fall_back(info.is_resource_request, peer_proxied, credentials)
+        if route == routing.BACKEND:
+            self._to_backend(exchange, conn, info, long_running or exchange.upgrade, fallback)
+        elif route == routing.PEER:
+            self._to_peers(exchange, conn, info, decision.peers,
+                           long_running or exchange.upgrade)
+        elif route == routing.UNAVAILABLE:
+            self._answer(exchange, conn, route, self.unavailable(info, decision.peers))
+        elif route == routing.DISCOVERY:
+            _, duration = self._route_metrics(route)
+            started = time.perf_counter()
+            if self.discovery.handle_now(exchange, info):
+                duration.observe(time.perf_counter() - started)
+                conn.finish(exchange)
+                return
+            self._in_task(exchange, conn, route, self.discovery.handle(exchange, info))
+        elif decision.reason == routing.OPENAPI_MERGED:
+            accept = discovery.negotiate(exchange.headers.get("Accept"), aggregated=False)
+            if accept.kind != "legacy":  # only JSON is merged
+                self._to_backend(exchange, conn, info, False, fallback, route=route)
+                return
+            self._in_task(exchange, conn, route, self._openapi_document(
+                exchange, decision.peers))
+        else:
+            self._in_task(exchange, conn, route, self._openapi_index(exchange, downstream))
 
-    async def _forward(self, exchange: Exchange, info: RequestInfo,
-                       decision: routing.Decision, route: str, long_running: bool,
-                       fallback: bool) -> None:
-        if long_running:
-            self.metrics.open_watches.inc()
-        try:
-            if route == routing.PEER:
-                await self._to_peers(exchange, info, decision.peers, long_running)
-            else:
-                await self._to_backend(exchange, info, long_running, fallback)
-        finally:
-            if long_running:
-                self.metrics.open_watches.dec()
+    def _to_backend(self, exchange: Exchange, conn: DownstreamConnection, info: RequestInfo,
+                    long_running: bool, fallback: bool, *, route: str = routing.BACKEND
+                    ) -> None:
+        backend = self.backend
+        head, asserts_user = forwarding.upstream_head(exchange, backend.raw_authority,
+                                                      client=conn.raw_client_address)
+        upstream = backend if asserts_user or backend.anonymous is None else backend.anonymous
+        forwarding.Forward(self.transport, exchange, conn, [(upstream.name, upstream)], head,
+                           on_end=_finished, long_running=long_running, to_peer=False,
+                           services=self, info=info, fallback=fallback,
+                           route=self._route_metrics(route)).start()
 
-    async def _to_backend(self, exchange: Exchange, info: RequestInfo, long_running: bool,
-                          fallback: bool) -> None:
-        headers = forwarding.headers_for(exchange, to_peer=False)
-        try:
-            await forwarding.forward(exchange, self.transport, self.backend.for_headers(headers),
-                                     headers, long_running=long_running,
-                                     reroutable=fallback or exchange.downstream.is_peer)
-        except ForwardError as exc:
-            await self._backend_failed(exchange, info, exc, long_running, fallback)
-
-    async def _to_peers(self, exchange: Exchange, info: RequestInfo,
-                        candidates: tuple[str, ...], long_running: bool, *,
-                        headers: CIMultiDict[str] | None = None,
-                        last: ForwardError | None = None) -> None:
-        """Try capable peers in order; move on only when nothing may have reached one.
-        ``last``: an earlier attempt's failure (from ``_peer_now``)."""
+    def _to_peers(self, exchange: Exchange, conn: DownstreamConnection, info: RequestInfo,
+                  candidates: tuple[str, ...], long_running: bool) -> None:
+        """Capable peers in order; one Audit-ID for every attempt, so the peers' audit
+        logs show one request."""
         upstreams = self.peers()
-        gvr = _gvr_labels(info)
-        if last is not None and not last.retryable:
-            candidates = ()
         targets = [(peer_id, upstreams[peer_id]) for peer_id in candidates
                    if peer_id in upstreams]
-        if not targets and last is None:  # membership dropped every candidate
-            reply(exchange, self._unavailable(info, routing.Decision(
-                routing.UNAVAILABLE, "", candidates)))
+        if not targets:  # membership dropped every candidate
+            self._answer(exchange, conn, routing.PEER, self.unavailable(info, candidates))
             return
-        # One Audit-ID for every attempt: the peers' audit logs show one request.
-        if headers is None:
-            headers = forwarding.headers_for(exchange, to_peer=True)
-        try:
-            await self._try_peers(exchange, targets, headers, long_running, last, gvr)
-        finally:  # however it ended: answered, cut, failed, or the client left
-            self._rerouted(exchange, gvr)
+        audit_id = str(uuid.uuid4()).encode()
+        head, _ = forwarding.upstream_head(exchange, targets[0][1].raw_authority,
+                                           client=conn.raw_client_address, audit_id=audit_id)
+        forwarding.Forward(self.transport, exchange, conn, targets, head,
+                           on_end=_finished, long_running=long_running, to_peer=True,
+                           services=self, info=info, audit_id=audit_id,
+                           route=self._route_metrics(routing.PEER)).start()
 
-    async def _try_peers(self, exchange: Exchange, targets: list[tuple[str, Upstream]],
-                         headers: CIMultiDict[str], long_running: bool,
-                         last: ForwardError | None,
-                         gvr: tuple[str, str, str]) -> None:
-        for peer_id, upstream in targets:
-            if last is not None:
-                self.metrics.peer_failovers.inc()
-            try:
-                await forwarding.forward(exchange, self.transport, upstream, headers,
-                                         long_running=long_running)
-            except ForwardError as exc:
-                last = exc
-                # Per request, so not a warning: during an outage there is one per
-                # request; polling reports the peer's state change once.
-                log.log(V(3), "peer request failed", extra=kv(
-                    peer=peer_id, error=str(exc)[:300], retry=exc.retryable))
-                if not exc.retryable:
-                    break
-                continue
-            return
-        assert last is not None
-        self.metrics.peer_proxy_errors.labels("proxy_transport", *gvr).inc()
-        reply(exchange, upstream_failure(last.cause, "every capable peer", self.retry_after,
-                                         idempotent=exchange.method in forwarding.IDEMPOTENT))
+    def _answer(self, exchange: Exchange, conn: DownstreamConnection, route: str,
+                answer: Reply) -> None:
+        _, duration = self._route_metrics(route)
+        started = time.perf_counter()
+        reply(exchange, answer)
+        duration.observe(time.perf_counter() - started)
+        conn.finish(exchange)
 
-    def _rerouted(self, exchange: Exchange, gvr: tuple[str, str, str]) -> None:
-        """Count a request sent to peers once, when it ends, by the status line the
-        client received (also when the body was then cut or the client left). One that
-        received none (left, or shutdown, before any answer) is not counted: upstream
-        would count the 503 it writes to a client already gone."""
-        if exchange.started:
-            self.metrics.rerouted_requests.labels(str(exchange.status), *gvr).inc()
+    def _in_task(self, exchange: Exchange, conn: DownstreamConnection, route: str,
+                 coro: Coroutine[Any, Any, None]) -> None:
+        inflight, duration = self._route_metrics(route)
+        inflight.inc()
+        started = time.perf_counter()
+
+        def done(_: object) -> None:
+            inflight.dec()
+            duration.observe(time.perf_counter() - started)
+        run_in_task(exchange, conn, coro).add_done_callback(done)
+
+    # ---------------------------------------------------------------- forwarding.Services
+
+    def fallback(self, info: RequestInfo) -> tuple[str, ...]:
+        return routing.fallback_peers(info, self.cache.view(), self.rng)
+
+    def backend_failed(self, error: str) -> None:
+        # Refusing connections, or shutting down: what it listed may change when it is
+        # back (another version). Until a poll succeeds, routing sends what a peer
+        # serves too to that peer (``routing.BACKEND_FAILING``).
+        self.cache.record_failure(self.server_id, error)
+
+    def unavailable(self, info: RequestInfo, peers: tuple[str, ...]) -> Reply:
+        gvr = forwarding.gvr_labels(info)
+        self.metrics.peer_proxy_errors.labels("endpoint_resolution", *gvr).inc()
+        what = "/".join(p for p in gvr if p)
+        return status_reply(
+            503, f"{what} is served only by peers that are unreachable now "
+                 f"({', '.join(peers)}); retry later",
+            headers={"Retry-After": str(self.retry_after)})
 
     async def _openapi_index(self, exchange: Exchange, downstream: Downstream) -> None:
         """The backend's OpenAPI v3 index, with entries for peer-only group/versions."""
@@ -393,18 +218,13 @@ class Proxy:
         exchange.respond(answer.status, [
             ("Content-Type", answer.headers.get("Content-Type", "application/json"))], body)
 
-    async def _openapi_document(self, exchange: Exchange, info: RequestInfo,
-                                peers: tuple[str, ...], fallback: bool) -> None:
+    async def _openapi_document(self, exchange: Exchange, peers: tuple[str, ...]) -> None:
         """``/openapi/v3/apis/<g>/<v>`` of a group/version the backend serves while
         ``peers`` serve more of it: the backend's document (asked with the client's
         credentials, without the hash, which names the backend's own) plus, from the
         first of ``peers`` that answers, the paths and schemas only peers have
-        (``openapi.merge_document``). A client that takes no JSON, a refusal, or no
-        peer answering: the backend's answer alone."""
-        accept = discovery.negotiate(exchange.headers.get("Accept"), aggregated=False)
-        if accept.kind != "legacy":
-            await self._to_backend(exchange, info, False, fallback)
-            return
+        (``openapi.merge_document``). A refusal, or no peer answering: the backend's
+        answer alone (a client that takes no JSON is forwarded: ``handle``)."""
         group, version = routing.group_version_path(
             request_info(exchange.method, exchange.path, "")[0]) or ("", "")
 
@@ -461,27 +281,12 @@ class Proxy:
             return
         exchange.respond(200, fields, body)
 
-    def _unavailable(self, info: RequestInfo, decision: routing.Decision) -> Reply:
-        gvr = _gvr_labels(info)
-        self.metrics.peer_proxy_errors.labels("endpoint_resolution", *gvr).inc()
-        what = "/".join(p for p in gvr if p)
-        return status_reply(
-            503, f"{what} is served only by peers that are unreachable now "
-                 f"({', '.join(decision.peers)}); retry later",
-            headers={"Retry-After": str(self.retry_after)})
+
+def _finished(forward: forwarding.Forward, cancelled: bool) -> None:
+    forward.downstream.finish(forward.exchange, cancelled=cancelled, failure=forward.failure)
 
 
-BACKEND_DOWN = (UpstreamConnectError, UpstreamUnreachable, UpstreamUnserved)
-"""Request failures that say the backend is down or going (not just slow or broken):
-no connection, ended by polling's verdict, refused unprocessed while shutting down."""
-
-
-def _may_fall_back(info: RequestInfo, peer_proxied: bool, credentials: bool) -> bool:
-    """Whether a request routed to the backend may go to a peer serving the same
-    resource if the backend cannot take it: resource requests with credentials (an
-    anonymous one never reaches a peer), never one a peer already sent here."""
-    return credentials and info.is_resource_request and not peer_proxied
-
+_V4 = V(4)
 
 MEMO_KEY_MAX = 512
 """Longest path + query memoised: the keys are client input, and the memo must stay
@@ -500,11 +305,3 @@ def request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]
 def _request_info(method: str, path: str, query: str) -> tuple[RequestInfo, bool]:
     info = parse_request_info(method, path, query)
     return info, is_long_running(info)
-
-
-def _gvr_labels(info: RequestInfo) -> tuple[str, str, str]:
-    """Metric labels; only requests some peer's discovery lists get here, so bounded."""
-    if info.is_resource_request:
-        return info.api_group, info.api_version, info.resource
-    group, version = routing.group_version_path(info) or ("", "")
-    return group, version, ""

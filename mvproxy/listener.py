@@ -110,7 +110,30 @@ class Limits:
     (a stalled handshake holds its ClientHello, up to ~100 KiB, for headerReadTimeout)."""
 
 
-Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
+Handler = Callable[["Exchange", "DownstreamConnection"], None]
+"""The one entry point for each request: it answers ``exchange`` on the connection it
+is given, by callbacks or in a task of its own (``run_in_task``), and calls
+``DownstreamConnection.finish`` once when the request is over; while it runs,
+``exchange.cancel_hook`` ends it (the client left, shutdown)."""
+
+
+def run_in_task(exchange: Exchange, conn: DownstreamConnection,
+                coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+    """Answer ``exchange`` in a task running ``coro`` (discovery, OpenAPI, status
+    pages): cancelled by ``cancel_hook``, finished when it ends; an exception becomes
+    a 500 (or a closed connection once the answer started)."""
+    task = conn.loop.create_task(coro)
+
+    def cancel() -> None:
+        task.cancel()
+    exchange.cancel_hook = cancel
+
+    def ended(task: asyncio.Task) -> None:
+        cancelled = task.cancelled()
+        conn.finish(exchange, cancelled=cancelled,
+                    failure=None if cancelled else task.exception())
+    task.add_done_callback(ended)
+    return task
 
 
 class State(Enum):
@@ -266,7 +289,7 @@ class Exchange:
         self._early: bytearray | None = None
         self._started_at = time.monotonic()
         self.cancel_hook: Callable[[], None] | None = None
-        """Set while the request is handled by callbacks alone (no task to cancel)."""
+        """Set by the handler while it runs: ends the request (the client left, shutdown)."""
 
     # ---------------------------------------------------------------- request side
 
@@ -509,7 +532,6 @@ class DownstreamConnection(FlowControl):
         self._parsing: Exchange | None = None
         self._active: Exchange | None = None
         self._queue: deque[Exchange] = deque()
-        self._task: asyncio.Task | None = None
         self._upgrading: Exchange | None = None
         self._next_waiting = False
         self._fed_body = self._framing_bytes = 0
@@ -552,8 +574,8 @@ class DownstreamConnection(FlowControl):
         self._parser = None
         self._queue.clear()
         self._parsing = self._upgrading = None
-        if self._task is None or self._task.done():
-            self._active = None  # else the task's end clears it (``_complete``)
+        if self._active is None or self._active.cancel_hook is None:
+            self._active = None  # else its handler's end clears it (``_complete``)
         self._raw_sink = self._eof_sink = None
 
     def eof_received(self) -> bool | None:
@@ -751,39 +773,23 @@ class DownstreamConnection(FlowControl):
         exchange = self._active = self._queue.popleft()
         if len(self._queue) < PIPELINE_PAUSE:
             self.resume_reading("pipeline")
-        handle_now = self.listener.handle_now
-        if handle_now is not None:
-            try:
-                if handle_now(exchange):
-                    return
-            except Exception as failure:  # noqa: BLE001 - becomes this request's answer
-                # Possibly inside another connection's callback: never let it escape.
-                exchange.cancel_hook = None
-                self._complete(exchange, failure, False)
-                return
-        self.continue_with(exchange, self.listener.handler(exchange))
+        try:
+            self.listener.handler(exchange, self)
+        except Exception as failure:  # noqa: BLE001 - becomes this request's answer
+            # Possibly inside another connection's callback: never let it escape.
+            exchange.cancel_hook = None
+            self._complete(exchange, failure, False)
 
     def _next_when_writable(self) -> None:
         self._next_waiting = False
         self._next()
 
-    def continue_with(self, exchange: Exchange, coro: Coroutine[Any, Any, None]
-                      ) -> asyncio.Task:
-        """Handle ``exchange`` in a task running ``coro`` (also after a callback start)."""
+    def finish(self, exchange: Exchange, *, cancelled: bool = False,
+               failure: BaseException | None = None) -> None:
+        """The handler is done with ``exchange`` (its answer written, or cut, or
+        ``failure`` raised)."""
         exchange.cancel_hook = None
-        task = self._task = self.loop.create_task(coro)
-        task.add_done_callback(lambda task: self._handled(exchange, task))
-        return task
-
-    def finish(self, exchange: Exchange, *, cancelled: bool = False) -> None:
-        """A request handled by callbacks is over (its answer written, or cut)."""
-        exchange.cancel_hook = None
-        self._complete(exchange, None, cancelled)
-
-    def _handled(self, exchange: Exchange, task: asyncio.Task) -> None:
-        self._task = None
-        cancelled = task.cancelled()
-        self._complete(exchange, None if cancelled else task.exception(), cancelled)
+        self._complete(exchange, failure, cancelled)
 
     def _complete(self, exchange: Exchange, failure: BaseException | None,
                   cancelled: bool) -> None:
@@ -911,13 +917,10 @@ class DownstreamConnection(FlowControl):
 
     @property
     def busy(self) -> bool:
-        return (self._task is not None and not self._task.done()) or (
-            self._active is not None and self._active.cancel_hook is not None)
+        return self._active is not None and self._active.cancel_hook is not None
 
     def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        elif self._active is not None and self._active.cancel_hook is not None:
+        if self._active is not None and self._active.cancel_hook is not None:
             self._active.cancel_hook()
 
     def end_for_shutdown(self) -> None:
@@ -985,12 +988,8 @@ class Listener:
     def __init__(self, *, handler: Handler, limits: Limits,
                  ssl_context: ssl.SSLContext | SwappableContext,
                  resolve_identity: Callable[[bytes | None], Downstream],
-                 anonymous: Downstream, on_refused: Callable[[int], None] | None = None,
-                 handle_now: Callable[[Exchange], bool] | None = None):
+                 anonymous: Downstream, on_refused: Callable[[int], None] | None = None):
         self.handler = handler
-        self.handle_now = handle_now
-        """Tried first: True if it took the request without a coroutine (it then calls
-        ``conn.finish`` or ``conn.continue_with`` later)."""
         self.limits = limits
         self.ssl_context = ssl_context
         """Read at each handshake: a reloaded certificate serves new connections."""

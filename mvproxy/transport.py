@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -145,14 +146,45 @@ class ResponseHandler(Protocol):
 # --------------------------------------------------------------------------- connection
 
 
+class State(Enum):
+    """Where one upstream connection is in its request/response cycle."""
+
+    IDLE = "idle"
+    """No request in flight: a new one may be sent (if the last answer kept it alive)."""
+    AWAITING_HEAD = "awaiting head"
+    """A request was sent; its final response head has not come (1xx ones may)."""
+    BODY = "body"
+    """The final head came; its body is being read."""
+    SWITCHED = "switched"
+    """A ``101``: the bytes are no longer HTTP (a tunnel reads them)."""
+    CLOSED = "closed"
+    """The connection ended; nothing more is sent or parsed."""
+
+
+TRANSITIONS: Mapping[State, frozenset[State]] = {
+    State.IDLE: frozenset((State.AWAITING_HEAD, State.CLOSED)),
+    State.AWAITING_HEAD: frozenset((State.BODY, State.SWITCHED, State.CLOSED)),
+    State.BODY: frozenset((State.IDLE, State.CLOSED)),
+    State.SWITCHED: frozenset((State.CLOSED,)),
+    State.CLOSED: frozenset(),
+}
+"""The moves ``UpstreamConnection`` makes: a request out of ``IDLE``; its final head
+(``BODY``, or ``SWITCHED`` for a ``101``), then its end (a HEAD's answer ends at its
+head); ``CLOSED`` when the connection ends, from anywhere, for good. llhttp's callbacks
+make the moves of a response (in its order); a request sent out of turn is a bug in
+mvproxy (``RuntimeError``); bytes nobody asked for end the connection."""
+
+
 class UpstreamConnection(FlowControl):
-    """One TLS connection to an upstream, carrying one request at a time."""
+    """One TLS connection to an upstream, carrying one request at a time (``State``)."""
 
     def __init__(self, pool: Pool):
         self._flow_init()
         self.pool = pool
         self.upstream = pool.upstream
+        self.state = State.IDLE
         self.closed = False
+        """Closing or closed (by either side); ``state`` becomes ``CLOSED`` once it ended."""
         self.requests = 0
         self.idle_since = 0.0
         self.received = False
@@ -169,7 +201,6 @@ class UpstreamConnection(FlowControl):
         self._fields: wire.RawFields = []
         self._interim = False
         self._until_close = False
-        self._complete = True
         self._keep_alive = True
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None
@@ -185,6 +216,8 @@ class UpstreamConnection(FlowControl):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        was = self.state
+        self.state = State.CLOSED
         self.pool.forget(self)
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
@@ -195,9 +228,9 @@ class UpstreamConnection(FlowControl):
         self._flow_release()
         self._parser = None
         self._raw_sink = None
-        if handler is None or self._complete:
+        if handler is None or was not in (State.AWAITING_HEAD, State.BODY):
             return
-        if self._until_close and self._head_seen:
+        if self._until_close and was is State.BODY:
             handler.on_end([])  # a close-delimited body ends with the connection
             handler.flush()
             return
@@ -227,7 +260,7 @@ class UpstreamConnection(FlowControl):
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
-            self._complete = True
+            self.state = State.SWITCHED  # already, from its 101 head
             self._handler = None
             handler.on_upgrade(data[upgrade.args[0]:])
             return
@@ -239,12 +272,9 @@ class UpstreamConnection(FlowControl):
 
     # ---------------------------------------------------------------- parser callbacks
 
-    _head_seen = False
-
     def on_message_begin(self) -> None:
         self._reason = b""
         self._fields = []
-        self._head_seen = False
 
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
@@ -264,7 +294,7 @@ class UpstreamConnection(FlowControl):
             self._interim = True
             handler.on_interim(status, self._reason, raw, lowered)
             return
-        self._head_seen = True
+        self.state = State.SWITCHED if status == 101 else State.BODY  # from AWAITING_HEAD
         self._keep_alive = parser.should_keep_alive()
         self._until_close = (not self._head_request and status not in (204, 304)
                              and b"content-length" not in lowered
@@ -290,12 +320,12 @@ class UpstreamConnection(FlowControl):
             self._finish(handler, trailers)
 
     def _finish(self, handler: ResponseHandler, trailers: wire.RawFields) -> None:
-        self._complete = True
+        if self.state is State.BODY:  # (llhttp ends a 101's message too: still SWITCHED)
+            self.state = State.IDLE
         self._handler = None
         handler.on_end(trailers)
 
     def _fail(self, handler: ResponseHandler, error: UpstreamError) -> None:
-        self._complete = True
         self._handler = None
         self.abort()
         handler.on_error(error)
@@ -304,12 +334,14 @@ class UpstreamConnection(FlowControl):
 
     def send(self, head: bytes, handler: ResponseHandler, *, method: str) -> None:
         """Write a request head; the response goes to ``handler``."""
+        if self.state is not State.IDLE:  # the only state ``TRANSITIONS`` sends from
+            raise RuntimeError(f"upstream connection: {self.state.value} -> "
+                               f"{State.AWAITING_HEAD.value}")
+        self.state = State.AWAITING_HEAD
         self.requests += 1
         self.received = False
         self._handler = handler
         self._head_request = method == "HEAD"
-        self._complete = False
-        self._head_seen = False
         self._until_close = False
         self._interim = False
         self.write(head)
@@ -320,8 +352,8 @@ class UpstreamConnection(FlowControl):
 
     @property
     def reusable(self) -> bool:
-        return (self._complete and self._keep_alive and not self.closed
-                and self._raw_sink is None and not self._until_close)
+        return (self.state is State.IDLE and self._keep_alive and not self.closed
+                and not self._until_close)
 
     def switch(self, sink: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
         """Raw mode after a 101: bytes go to ``sink``; ``on_eof`` once it ends."""
@@ -412,6 +444,12 @@ class Pool:
         conn = await self._connect()
         self.busy.add(conn)
         return conn, False
+
+    async def connect(self) -> UpstreamConnection:
+        """A new connection for one request (busy until released)."""
+        conn = await self._connect()
+        self.busy.add(conn)
+        return conn
 
     async def _connect(self) -> UpstreamConnection:
         upstream = self.upstream
@@ -562,6 +600,13 @@ class Transport:
                 idle_expiry=self._idle_expiry)
         self._by_id[id(upstream)] = pool
         return pool
+
+    def drop_idle_of(self, upstream: Upstream) -> None:
+        """After a stale pooled connection: the others to that upstream likely died too."""
+        pool = self.pool(upstream)
+        for idle in pool.idle:
+            idle.close()
+        pool.idle.clear()
 
     def drop_idle(self, name: str) -> None:
         """Close the idle connections to upstream ``name``: the next request connects

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import subprocess
 from collections.abc import Callable
@@ -79,15 +81,24 @@ def kubectl(kubectl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Kub
 # A bare ``listener.Listener`` on 127.0.0.1:0 running a test's handler, closed at teardown.
 
 
+def _in_task(handler, exchange, conn) -> None:
+    from mvproxy.listener import run_in_task
+
+    run_in_task(exchange, conn, handler(exchange))
+
+
 @pytest.fixture
 async def listen():
-    """``await listen(handler, ssl_context, limits=None, identity=None) -> port``."""
+    """``await listen(handler, ssl_context, limits=None, identity=None) -> port``; an
+    ``async def handler(exchange)`` runs in a task per request (``run_in_task``)."""
     from mvproxy.identity import ANONYMOUS_DOWNSTREAM
     from mvproxy.listener import Limits, Listener
 
     started: list[Listener] = []
 
     async def start(handler, ssl_context, *, limits=None, identity=None) -> int:
+        if asyncio.iscoroutinefunction(handler):  # a test's coroutine handler
+            handler = functools.partial(_in_task, handler)
         listener = Listener(handler=handler, limits=limits or Limits(),
                             ssl_context=ssl_context,
                             resolve_identity=identity or (lambda der: ANONYMOUS_DOWNSTREAM),

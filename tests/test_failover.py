@@ -184,8 +184,8 @@ async def test_a_backend_shutting_down_hands_what_a_peer_serves_to_the_peer(aioh
     async with cluster(aiohttp_server, root,
                        backend_routes=backend_shutting_down(answers)) as c:
         await ready(c)
-        # A pooled backend connection first: the request is then forwarded by callbacks
-        # alone (``forward_now``), the path most requests take.
+        # A pooled backend connection first: the request then goes out on it without
+        # dialling, the path most requests take.
         assert (await c.get("/api/v1/namespaces/default/pods"))[0] == 200
         for _ in range(2):  # the second on the same client connection
             status, headers, body = await c.get(SECRETS)

@@ -234,9 +234,8 @@ UPGRADE = "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 1
 
 async def _anonymous(c: Cluster, path: str) -> list[tuple[int, str]]:
     """(status, answering server) of the same request without credentials, sent the
-    ways that take both handler paths: three on one keep-alive connection (with an
-    idle pooled upstream connection ``handle_now`` answers them) and one upgrade
-    (always ``handle``)."""
+    ways that reach the engine differently: three on one keep-alive connection (the
+    later ones on an idle pooled upstream connection) and one upgrade (a tunnel)."""
     answers = []
     for _ in range(3):
         status, _, body = await c.get(path, who="bearer")
