@@ -390,8 +390,10 @@ class Exchange:
               hold: bool = False) -> None:
         """The response head. ``fields`` must frame the body (``Content-Length``, or
         ``Transfer-Encoding: chunked`` which is replaced by close-delimiting for
-        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it,
-        else ``Connection: keep-alive`` for HTTP/1.0 (whose default is to close).
+        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it (also
+        when the request's body is not all read yet: what follows it cannot be parsed
+        as the next request), else ``Connection: keep-alive`` for HTTP/1.0 (whose
+        default is to close).
         ``hold`` keeps the head for the first write."""
         if self.started:
             raise RuntimeError("response already started")
@@ -402,7 +404,8 @@ class Exchange:
                 self._close_after = True
             else:
                 self.chunked_out = True
-        if self._close_after or not self.keep_alive or self.conn.closing:
+        if self._close_after or not self.keep_alive or self.conn.closing \
+                or not self._body_done or self._chunks:  # its body not all read: no next
             fields = [*fields, ("Connection", "close")]
             self._close_after = True
         elif self.version < (1, 1):
@@ -432,7 +435,8 @@ class Exchange:
             else:
                 head += b"Transfer-Encoding: chunked\r\n"
                 self.chunked_out = True
-        if self._close_after or not self.keep_alive or self.conn.closing:
+        if self._close_after or not self.keep_alive or self.conn.closing \
+                or not self._body_done or self._chunks:  # its body not all read: no next
             head += b"Connection: close\r\n"
             self._close_after = True
         elif self.version < (1, 1):

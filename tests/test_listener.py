@@ -409,6 +409,41 @@ async def test_a_failing_handler_is_a_500_status(connect):
     assert body["message"] == "internal error in mvproxy; see its log"
 
 
+@pytest.mark.parametrize("pieces", [
+    pytest.param([b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc"], id="body-to-come"),
+    pytest.param([b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"],
+                 id="chunks-to-come"),
+    pytest.param([b"POST /x HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc" + GET], id="body-unread"),
+])
+async def test_an_answer_before_the_body_is_read_says_the_connection_ends(connect, pieces):
+    """The handler answers without reading the body (as a refusal does): mvproxy closes
+    the connection after it, and now the answer says so (it did not), so the client
+    sends nothing more on it; nothing pipelined behind it runs."""
+    async def early(exchange: Exchange) -> None:
+        exchange.respond(403, [("Content-Type", "application/json")], b"{}")
+
+    handler, ran = recording(early)
+    client = connect(handler=handler)
+    answer = await client.send(*pieces)
+    assert answer == (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert client.transport.closed and ran == ["/x"]
+
+
+async def test_a_relayed_answer_before_the_body_is_read_says_the_connection_ends(connect):
+    """The same for a relayed head (``start_raw``: an upstream that answered early)."""
+    async def early(exchange: Exchange) -> None:
+        exchange.start_raw(413, b"HTTP/1.1 413 Payload Too Large\r\n", length=b"0",
+                           bodiless=False)
+        exchange.write(b"", end=True)
+
+    client = connect(handler=early)
+    answer = await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+    assert answer == (b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n"
+                      b"Connection: close\r\n\r\n")
+    assert client.transport.closed
+
+
 async def test_garbage_behind_a_request_in_progress_gets_its_real_answer(connect):
     """The request already upstream finishes truthfully, saying Connection: close; the
     refusal of what followed it is not written."""
