@@ -152,7 +152,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.IDLE: frozenset((State.HEAD, State.REFUSED)) | _ENDING,
     State.HEAD: frozenset((State.BODY, State.REFUSED)) | _ENDING,
     State.BODY: frozenset((State.IDLE, State.LAST, State.UPGRADING, State.REFUSED)) | _ENDING,
-    State.LAST: _ENDING,
+    State.LAST: frozenset((State.REFUSED,)) | _ENDING,  # refused: its body's end failed
     State.UPGRADING: frozenset((State.TUNNEL, State.REFUSED)) | _ENDING,
     State.TUNNEL: _ENDING,
     State.REFUSED: _ENDING,

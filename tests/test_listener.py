@@ -159,9 +159,9 @@ def test_every_state_can_end_and_closed_is_final():
     # The changes every request makes, assigned without ``_to`` on the hot path:
     cycle = [State.IDLE, State.HEAD, State.BODY, State.IDLE]
     assert all(b in TRANSITIONS[a] for a, b in zip(cycle, cycle[1:], strict=False))
-    # After the last request nothing is read as HTTP again: it only ends.
+    # After the last request nothing is read as HTTP again.
     assert State.LAST in TRANSITIONS[State.BODY]
-    assert TRANSITIONS[State.LAST] == frozenset((State.CLOSING, State.CLOSED))
+    assert TRANSITIONS[State.LAST] == frozenset((State.REFUSED, State.CLOSING, State.CLOSED))
 
 
 async def test_an_illegal_transition_is_refused(connect):
@@ -286,6 +286,31 @@ async def test_what_follows_the_last_request_in_a_later_read_is_ignored(connect,
     gate.set()
     assert await client.send() == ok(b"GET /last 0 ", b"Connection: close\r\n")
     assert ran == ["/last"] and client.refused == []
+    assert client.transport.closed
+
+
+async def test_a_failure_at_the_end_of_the_last_body_is_refused_as_before(connect):
+    """The consumer of the last request's body fails at its end (inside llhttp's parse):
+    a refusal from the last state, counted; the request still gets its own answer."""
+    gate = asyncio.Event()
+
+    async def fragile(exchange: Exchange) -> None:
+        def sink(data: bytes) -> None:
+            if not data:
+                raise RuntimeError("the consumer failed")
+
+        exchange.attach_body(sink)
+        await gate.wait()
+        exchange.respond(200, [("Content-Type", "text/plain")], b"ok")
+
+    client = connect(handler=fragile)
+    assert await client.send(b"POST /last HTTP/1.1\r\nConnection: close\r\n"
+                             b"Content-Length: 5\r\n\r\nhe") == b""
+    assert await client.send(b"llo") == b""
+    assert client.conn.state is State.REFUSED and client.refused == [400]
+    gate.set()
+    answer = await client.send()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close\r\n" in answer
     assert client.transport.closed
 
 
