@@ -12,13 +12,16 @@ What this module owns, and nothing above it does:
   ``idleTimeout``, a head larger than ``maxHeaderBytes`` gets 431. Deadlines are plain
   numbers checked by one sweep per listener, not a timer object per request;
 - **state**: what a connection's next bytes are is one ``State`` (idle, head,
-  body, upgrading, tunnel, refused, closing, closed), changed only along
+  body, last, upgrading, tunnel, refused, closing, closed), changed only along
   ``TRANSITIONS`` (``tests/test_listener.py`` drives them byte by byte);
 - **parsing** each request into an ``Exchange`` (plain values: method, raw target,
   decoded path, query, header fields, the connection's verified identity) and running
   the handler for it; requests pipelined behind it wait their turn. A request is
   dispatched only once llhttp has parsed everything read so far, so its verdict on a
-  read comes before anything from that read goes upstream;
+  read comes before anything from that read goes upstream. A request that is the
+  connection's last (``Connection: close``, HTTP/1.0 without keep-alive) is answered,
+  then the connection closes; what the client sent after it is ignored, neither
+  parsed nor refused (RFC 9112 §9.6);
 - **truthful answers**: once a request has gone upstream, the client gets its real
   answer. A refusal of what the client sent after it (unparseable bytes, a pipelined
   head too large, too slow or not served, too many pipelined) ends parsing (what
@@ -147,6 +150,10 @@ class State(Enum):
     """A request head is arriving; its bytes are counted against ``maxHeaderBytes``."""
     BODY = "body"
     """A request head ended: its body, if any, is arriving."""
+    LAST = "last"
+    """The connection's last request ended (``Connection: close``, or HTTP/1.0 without
+    keep-alive): it is answered, then the connection closes; later bytes are read and
+    discarded, not parsed (RFC 9112 §9.6: ignored, never an error instead of it)."""
     UPGRADING = "upgrading"
     """An upgrade request's head ended: later bytes are held, unparsed, for a tunnel."""
     TUNNEL = "tunnel"
@@ -161,12 +168,14 @@ class State(Enum):
 
 # Enum members as module names: a member read through its class costs ~0.3 µs here.
 _IDLE, _HEAD, _BODY, _UPGRADING = State.IDLE, State.HEAD, State.BODY, State.UPGRADING
+_LAST = State.LAST
 _TUNNEL, _REFUSED, _CLOSING, _CLOSED = State.TUNNEL, State.REFUSED, State.CLOSING, State.CLOSED
 _ENDING = frozenset((State.CLOSING, State.CLOSED))
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.IDLE: frozenset((State.HEAD, State.REFUSED)) | _ENDING,
     State.HEAD: frozenset((State.BODY, State.REFUSED)) | _ENDING,
-    State.BODY: frozenset((State.IDLE, State.UPGRADING, State.REFUSED)) | _ENDING,
+    State.BODY: frozenset((State.IDLE, State.LAST, State.UPGRADING, State.REFUSED)) | _ENDING,
+    State.LAST: frozenset((State.REFUSED,)) | _ENDING,  # refused: its body's end failed
     State.UPGRADING: frozenset((State.TUNNEL, State.REFUSED)) | _ENDING,
     State.TUNNEL: _ENDING,
     State.REFUSED: _ENDING,
@@ -404,8 +413,10 @@ class Exchange:
               hold: bool = False) -> None:
         """The response head. ``fields`` must frame the body (``Content-Length``, or
         ``Transfer-Encoding: chunked`` which is replaced by close-delimiting for
-        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it,
-        else ``Connection: keep-alive`` for HTTP/1.0 (whose default is to close).
+        HTTP/1.0 clients). ``Connection: close`` when the connection ends after it (also
+        when the request's body is not all read yet: what follows it cannot be parsed
+        as the next request), else ``Connection: keep-alive`` for HTTP/1.0 (whose
+        default is to close).
         ``hold`` keeps the head for the first write."""
         if self.started:
             raise RuntimeError("response already started")
@@ -416,7 +427,8 @@ class Exchange:
                 self._close_after = True
             else:
                 self.chunked_out = True
-        if self._close_after or not self.keep_alive or self.conn.closing:
+        if self._close_after or not self.keep_alive or self.conn.closing \
+                or not self._body_done or self._chunks:  # its body not all read: no next
             fields = [*fields, ("Connection", "close")]
             self._close_after = True
         elif self.version < (1, 1):
@@ -446,7 +458,8 @@ class Exchange:
             else:
                 head += b"Transfer-Encoding: chunked\r\n"
                 self.chunked_out = True
-        if self._close_after or not self.keep_alive or self.conn.closing:
+        if self._close_after or not self.keep_alive or self.conn.closing \
+                or not self._body_done or self._chunks:  # its body not all read: no next
             head += b"Connection: close\r\n"
             self._close_after = True
         elif self.version < (1, 1):
@@ -591,16 +604,16 @@ class DownstreamConnection(FlowControl):
         if self._parser is None:
             return  # the connection ended (``_release``)
         state = self.state
-        if state is _UPGRADING:
-            assert self._upgrading is not None
-            self._early_bytes(self._upgrading, data)
-            return
-        if state is _REFUSED or state is _CLOSING:
-            return
-        if state is _IDLE:
+        if state is _IDLE:  # first: the one test a keep-alive request's read makes
             self.state = _HEAD  # in TRANSITIONS; the per-request changes skip ``_to``
             self._head_bytes, self._tail = 0, b""
             self._expect(_DUE_HEAD, self.listener.limits.header_read_timeout)
+        elif state is _UPGRADING:
+            assert self._upgrading is not None
+            self._early_bytes(self._upgrading, data)
+            return
+        elif state is _LAST or state is _REFUSED or state is _CLOSING:
+            return
         if self.state is _HEAD and self._count_head(data):
             return
         body = self._parsing
@@ -621,11 +634,13 @@ class DownstreamConnection(FlowControl):
                 self._refuse(cause.refusal if isinstance(cause, BadRequest)
                              else Refusal(400, "the request could not be parsed"))
         except httptools.HttpParserError as exc:
-            self._refuse(_parse_refusal(exc))
+            if self.state is not _LAST:  # else llhttp's "data after Connection: close"
+                self._refuse(_parse_refusal(exc))
         finally:
             self._feeding = False
         # Only now, with llhttp's verdict on the whole read: a request parsed from it
-        # goes upstream only if nothing after it in the read was refused.
+        # goes upstream only if nothing after it in the read was refused (what follows
+        # the connection's last request is not refused: it is ignored).
         self._next()
 
     def _count_head(self, data: bytes) -> bool:
@@ -741,7 +756,8 @@ class DownstreamConnection(FlowControl):
     def on_message_complete(self) -> None:
         exchange, self._parsing = self._parsing, None
         if self.state is _BODY:  # UPGRADING stays: nothing more is parsed
-            self.state = _IDLE
+            # Not kept alive: the last request (llhttp would refuse what follows it).
+            self.state = _IDLE if exchange is None or exchange.keep_alive else _LAST
         if self._deadline_kind is _DUE_BODY:
             self.deadline = 0.0
         if exchange is not None:
@@ -959,8 +975,8 @@ class DownstreamConnection(FlowControl):
             self.close()  # idle, or never sent a byte: nothing to say
 
 
-_QUIET = frozenset((_TUNNEL, _REFUSED)) | _ENDING
-"""States without a deadline of their own: a tunnel's bytes are not HTTP."""
+_QUIET = frozenset((_LAST, _TUNNEL, _REFUSED)) | _ENDING
+"""States without a deadline of their own: nothing more is read as HTTP."""
 
 
 def release_free_memory() -> None:

@@ -89,8 +89,11 @@ def ok(text: bytes, *extra: bytes) -> bytes:
 
 
 class Client:
-    def __init__(self, conn: DownstreamConnection, transport: FakeTransport):
+    def __init__(self, conn: DownstreamConnection, transport: FakeTransport,
+                 refused: list[int]):
         self.conn, self.transport = conn, transport
+        self.refused = refused
+        """The status of every refusal the listener counted (its metric)."""
 
     async def send(self, *pieces: bytes) -> bytes:
         """Each piece as one read; then whatever was answered once handlers settled."""
@@ -106,15 +109,16 @@ async def connect():
     made: list[DownstreamConnection] = []
 
     def open_one(handler=echo, max_header_bytes: int = MAX_HEAD) -> Client:
+        refused: list[int] = []
         listener = Listener(handler=handler, limits=Limits(max_header_bytes=max_header_bytes),
                             ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
                             resolve_identity=lambda der: ANONYMOUS_DOWNSTREAM,
-                            anonymous=ANONYMOUS_DOWNSTREAM)
+                            anonymous=ANONYMOUS_DOWNSTREAM, on_refused=refused.append)
         conn = DownstreamConnection(listener)
         transport = FakeTransport()
         conn.connection_made(transport)
         made.append(conn)
-        return Client(conn, transport)
+        return Client(conn, transport, refused)
 
     yield open_one
     for conn in made:
@@ -155,6 +159,9 @@ def test_every_state_can_end_and_closed_is_final():
     # The changes every request makes, assigned without ``_to`` on the hot path:
     cycle = [State.IDLE, State.HEAD, State.BODY, State.IDLE]
     assert all(b in TRANSITIONS[a] for a, b in zip(cycle, cycle[1:], strict=False))
+    # After the last request nothing is read as HTTP again.
+    assert State.LAST in TRANSITIONS[State.BODY]
+    assert TRANSITIONS[State.LAST] == frozenset((State.REFUSED, State.CLOSING, State.CLOSED))
 
 
 async def test_an_illegal_transition_is_refused(connect):
@@ -208,14 +215,130 @@ async def test_keep_alive_until_connection_close(connect):
     assert await client.send(GET) == b""  # what comes after is not read
 
 
-async def test_a_request_pipelined_behind_connection_close_is_refused_in_the_same_read(
-        connect):
-    """llhttp refuses data after a ``Connection: close`` head, and a read's requests wait
-    for its verdict on the whole read: the 400 answers, the first request never runs.
-    (RFC 9112 §9.6 would have the first answered and the rest ignored.)"""
-    client = connect()
-    answer = await client.send(b"GET /last HTTP/1.1\r\nConnection: close\r\n\r\n" + GET)
-    assert "Data after `Connection: close`" in assert_status(answer, 400)["message"]
+def recording(handler=echo):
+    """``handler``, and the targets it was run for."""
+    ran: list[str] = []
+
+    async def run(exchange: Exchange) -> None:
+        ran.append(exchange.target)
+        await handler(exchange)
+
+    return run, ran
+
+
+LAST_REQUESTS = {
+    # the last request, sent in these reads; then the echo's answer to it
+    "connection-close": ([b"GET /last HTTP/1.1\r\nConnection: close\r\n\r\n"],
+                         ok(b"GET /last 0 ", b"Connection: close\r\n")),
+    "http10": ([b"GET /last HTTP/1.0\r\n\r\n"],
+               ok(b"GET /last 0 ", b"Connection: close\r\n")),
+    "content-length": ([b"POST /last HTTP/1.1\r\nConnection: close\r\n"
+                        b"Content-Length: 5\r\n\r\nhello"],
+                       ok(b"POST /last 5 hello", b"Connection: close\r\n")),
+    "content-length-split": ([b"POST /last HTTP/1.1\r\nConnection: close\r\n"
+                              b"Content-Length: 5\r\n\r\nhe", b"llo"],
+                             ok(b"POST /last 5 hello", b"Connection: close\r\n")),
+    "chunked": ([b"POST /last HTTP/1.1\r\nConnection: close\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n"],
+                ok(b"POST /last 5 hello", b"Connection: close\r\n")),
+    "http10-content-length": ([b"POST /last HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi"],
+                              ok(b"POST /last 2 hi", b"Connection: close\r\n")),
+}
+AFTER_LAST = {
+    "request": GET,
+    "requests": GET * 3,
+    "garbage": b"\x01\x02 not HTTP\r\n\r\n",
+    "line-breaks": b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("after", list(AFTER_LAST))
+@pytest.mark.parametrize("last", list(LAST_REQUESTS))
+async def test_what_follows_the_last_request_in_its_read_is_ignored(connect, last, after):
+    """RFC 9112 §9.6: a request with ``Connection: close`` (or HTTP/1.0 without
+    keep-alive) is answered, then the connection closes; what was pipelined behind it
+    is neither run nor refused (a 400 answered instead of it, before: llhttp refuses
+    data after it, and the read's requests waited for that verdict)."""
+    handler, ran = recording()
+    client = connect(handler=handler)
+    pieces, answer = LAST_REQUESTS[last]
+    assert await client.send(*pieces[:-1], pieces[-1] + AFTER_LAST[after]) == answer
+    assert ran == ["/last"] and client.refused == []
+    assert client.transport.closed and client.conn.state is State.CLOSING
+
+
+@pytest.mark.parametrize("after", list(AFTER_LAST))
+async def test_what_follows_the_last_request_in_a_later_read_is_ignored(connect, after):
+    """The last request is being answered when more comes: it is read and discarded
+    (a client that leaves is still noticed), not counted as refused."""
+    gate = asyncio.Event()
+
+    async def slow(exchange: Exchange) -> None:
+        await gate.wait()
+        await echo(exchange)
+
+    handler, ran = recording(slow)
+    client = connect(handler=handler)
+    assert await client.send(b"GET /last HTTP/1.1\r\nConnection: close\r\n\r\n") == b""
+    assert client.conn.state is State.LAST
+    assert await client.send(AFTER_LAST[after], AFTER_LAST[after]) == b""
+    assert client.conn.state is State.LAST and client.transport.reading
+    gate.set()
+    assert await client.send() == ok(b"GET /last 0 ", b"Connection: close\r\n")
+    assert ran == ["/last"] and client.refused == []
+    assert client.transport.closed
+
+
+async def test_a_failure_at_the_end_of_the_last_body_is_refused_as_before(connect):
+    """The consumer of the last request's body fails at its end (inside llhttp's parse):
+    a refusal from the last state, counted; the request still gets its own answer."""
+    gate = asyncio.Event()
+
+    async def fragile(exchange: Exchange) -> None:
+        def sink(data: bytes) -> None:
+            if not data:
+                raise RuntimeError("the consumer failed")
+
+        exchange.attach_body(sink)
+        await gate.wait()
+        exchange.respond(200, [("Content-Type", "text/plain")], b"ok")
+
+    client = connect(handler=fragile)
+    assert await client.send(b"POST /last HTTP/1.1\r\nConnection: close\r\n"
+                             b"Content-Length: 5\r\n\r\nhe") == b""
+    assert await client.send(b"llo") == b""
+    assert client.conn.state is State.REFUSED and client.refused == [400]
+    gate.set()
+    answer = await client.send()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close\r\n" in answer
+    assert client.transport.closed
+
+
+async def test_requests_before_the_last_are_answered_in_order(connect):
+    handler, ran = recording()
+    client = connect(handler=handler)
+    answer = await client.send(GET.replace(b"/api", b"/one")
+                               + b"GET /two HTTP/1.1\r\nConnection: close\r\n\r\n"
+                               + GET.replace(b"/api", b"/three"))
+    assert answer == ok(b"GET /one 0 ") + ok(b"GET /two 0 ", b"Connection: close\r\n")
+    assert ran == ["/one", "/two"] and client.refused == []
+    assert client.transport.closed
+
+
+async def test_a_request_behind_an_answer_that_closes_never_runs(connect):
+    """mvproxy ends the connection itself (its handler failed: a 500 saying
+    ``Connection: close``): the request pipelined behind it is dropped, not run."""
+    async def broken(exchange: Exchange) -> None:
+        if exchange.target == "/broken":
+            raise RuntimeError("a bug")
+        await echo(exchange)
+
+    handler, ran = recording(broken)
+    client = connect(handler=handler)
+    answer = await client.send(GET.replace(b"/api", b"/broken") + GET)
+    assert_status(answer, 500)
+    assert ran == ["/broken"] and client.refused == []
+    assert client.transport.closed
 
 
 async def test_http10_closes_unless_asked_to_keep_alive(connect):
@@ -311,6 +434,41 @@ async def test_a_failing_handler_is_a_500_status(connect):
     assert body["message"] == "internal error in mvproxy; see its log"
 
 
+@pytest.mark.parametrize("pieces", [
+    pytest.param([b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc"], id="body-to-come"),
+    pytest.param([b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"],
+                 id="chunks-to-come"),
+    pytest.param([b"POST /x HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc" + GET], id="body-unread"),
+])
+async def test_an_answer_before_the_body_is_read_says_the_connection_ends(connect, pieces):
+    """The handler answers without reading the body (as a refusal does): mvproxy closes
+    the connection after it, and now the answer says so (it did not), so the client
+    sends nothing more on it; nothing pipelined behind it runs."""
+    async def early(exchange: Exchange) -> None:
+        exchange.respond(403, [("Content-Type", "application/json")], b"{}")
+
+    handler, ran = recording(early)
+    client = connect(handler=handler)
+    answer = await client.send(*pieces)
+    assert answer == (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert client.transport.closed and ran == ["/x"]
+
+
+async def test_a_relayed_answer_before_the_body_is_read_says_the_connection_ends(connect):
+    """The same for a relayed head (``start_raw``: an upstream that answered early)."""
+    async def early(exchange: Exchange) -> None:
+        exchange.start_raw(413, b"HTTP/1.1 413 Payload Too Large\r\n", length=b"0",
+                           bodiless=False)
+        exchange.write(b"", end=True)
+
+    client = connect(handler=early)
+    answer = await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+    assert answer == (b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n"
+                      b"Connection: close\r\n\r\n")
+    assert client.transport.closed
+
+
 async def test_garbage_behind_a_request_in_progress_gets_its_real_answer(connect):
     """The request already upstream finishes truthfully, saying Connection: close; the
     refusal of what followed it is not written."""
@@ -354,12 +512,35 @@ async def test_an_upgrade_hands_its_bytes_to_the_tunnel(connect):
     assert bytes(tunnel) == b"GET / HTTP/1.1\r\n\r\n"
 
 
+async def test_an_upgrade_that_says_close_still_hands_its_bytes_to_the_tunnel(connect):
+    """``Connection: Upgrade, close`` is not kept alive, but it is an upgrade: the bytes
+    after its head belong to the tunnel, they are not ignored as after a last request."""
+    tunnel = bytearray()
+    early: list[bytes] = []
+
+    async def upgrade(exchange: Exchange) -> None:
+        exchange.conn.write(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
+        exchange.started = True
+        early.append(exchange.take_over(tunnel.extend))
+        await asyncio.Event().wait()
+
+    client = connect(handler=upgrade)
+    assert await client.send(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\n"
+                             b"Connection: Upgrade, close\r\n\r\n" + GET) == (
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
+    assert early == [GET] and client.conn.state is State.TUNNEL
+    await client.send(GET)
+    assert bytes(tunnel) == GET and client.refused == []
+
+
 async def test_a_refused_upgrade_closes(connect):
     async def refuse(exchange: Exchange) -> None:
         exchange.respond(403, [("Content-Type", "application/json")], b"{}")
 
-    client = connect(handler=refuse)
+    handler, ran = recording(refuse)
+    client = connect(handler=handler)
     answer = await client.send(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\n"
-                               b"Connection: Upgrade\r\n\r\n")
+                               b"Connection: Upgrade\r\n\r\n" + GET)  # GET: the tunnel's
     assert answer.startswith(b"HTTP/1.1 403 Forbidden\r\n") and b"Connection: close\r\n" in answer
     assert client.transport.closed and client.conn.state is State.CLOSING
+    assert ran == ["/ws"] and client.refused == []
