@@ -24,6 +24,7 @@ from mvproxy.listener import (
     Limits,
     Listener,
     State,
+    run_in_task,
 )
 
 MAX_HEAD = 2048
@@ -110,7 +111,12 @@ async def connect():
 
     def open_one(handler=echo, max_header_bytes: int = MAX_HEAD) -> Client:
         refused: list[int] = []
-        listener = Listener(handler=handler, limits=Limits(max_header_bytes=max_header_bytes),
+        coroutine = handler  # the tests' handlers are ``async def``: each runs in a task
+
+        def handle(exchange, conn) -> None:
+            run_in_task(exchange, conn, coroutine(exchange))
+
+        listener = Listener(handler=handle, limits=Limits(max_header_bytes=max_header_bytes),
                             ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
                             resolve_identity=lambda der: ANONYMOUS_DOWNSTREAM,
                             anonymous=ANONYMOUS_DOWNSTREAM, on_refused=refused.append)
