@@ -829,8 +829,6 @@ def _slow_v2beta1_backend(monkeypatch, asked: list[str]) -> None:
     monkeypatch.setattr(daemon_support, "fake_server", fake)
 
 
-@pytest.mark.xfail(strict=True, reason="a failed v2beta1 question is asked again as the "
-                   "v2 probe, whatever the failure (not only while the backend is down)")
 async def test_a_v2beta1_question_the_backend_answers_late_is_not_asked_twice(
         aiohttp_server, root, monkeypatch):
     """An overloaded backend that does not answer the v2beta1 question in time is not
