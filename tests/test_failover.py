@@ -17,7 +17,6 @@ import asyncio
 import json
 
 import aiohttp
-import pytest
 from aiohttp import web
 from daemon_support import (
     PODGROUPS,
@@ -248,8 +247,6 @@ def go_busy_before_the_body(answers: list[str]):
     return routes
 
 
-@pytest.mark.xfail(strict=True, reason="a 429 with Connection: close and Retry-After is "
-                   "taken for a drain whatever Go's server said it for")
 async def test_a_429_said_before_the_body_came_is_relayed_not_taken_for_a_shutdown(
         aiohttp_server, root):
     """A client sends a create's head and holds its body back (a 100-continue client,
