@@ -870,3 +870,19 @@ async def test_one_token_cannot_push_other_clients_out_of_the_discovery_memo(
             await ask(f"Bearer attacker {n}")
         await ask("Bearer victim")
         assert probes(c).count("Bearer victim") == 1
+
+
+async def test_a_discovery_yes_for_one_identity_is_not_reused_for_another_with_its_token(
+        aiohttp_server, root):
+    """The memo's key holds the connection's TLS identity with the credential lines: a
+    yes a certificate user got with a token is asked again for a client without that
+    certificate sending the same token, and again on each new connection only while
+    the yes is not remembered (same identity, same token: reused)."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for who in ("admin", "admin", "bearer", "bearer"):
+            answer = await c.raw(request("/apis", headers=f"Accept: {AGGREGATED}\r\n"
+                                                          "Authorization: Bearer alpha\r\n"),
+                                 who=who)
+            assert status_of(answer) == 200
+        assert probes(c) == ["Bearer alpha", "Bearer alpha"]
