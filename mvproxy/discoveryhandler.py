@@ -46,7 +46,12 @@ from dataclasses import dataclass, field
 
 from mvproxy import discovery, forwarding
 from mvproxy.cache import CacheView, DiscoveryCache
-from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamUnreachable
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
@@ -289,14 +294,14 @@ class DiscoveryHandler:
                                                 headers=headers, timeout=self.live.probe_timeout,
                                                 max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
-            if isinstance(exc, (UpstreamConnectError, UpstreamUnreachable)) or \
+            if not isinstance(exc, UpstreamTimeout) or \
                     self._authorized.get((self.credentials.key(exchange), path), 0.0) \
                     > self.clock():
-                # Down, or a yes within AUTHORIZED_TTL: authorized as for v2 (a peer may
-                # say yes); legacy is always served.
+                # Down or broken, or a yes within AUTHORIZED_TTL: authorized as for v2
+                # (a peer may say yes); legacy is always served.
                 return False if await self._authorize(exchange, path) else None
-            # Late or broken while up: asking it again would double an overloaded
-            # backend's load for each such request.
+            # Late: asking it again would double an overloaded backend's load for
+            # each such request, and the client's wait.
             throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
             failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
                                        idempotent=True)
