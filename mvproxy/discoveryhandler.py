@@ -53,7 +53,12 @@ from typing import NamedTuple
 
 from mvproxy import discovery, forwarding, wire
 from mvproxy.cache import CacheView, DiscoveryCache
-from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamUnreachable
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
@@ -325,9 +330,20 @@ class DiscoveryHandler:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
                                                 headers=headers, timeout=self.live.probe_timeout,
                                                 max_bytes=self.live.max_document_bytes)
-        except UpstreamError:
-            # Down: authorized as for v2 (a peer may say yes); legacy is always served.
-            return False if await self._authorize(exchange, path) else None
+        except UpstreamError as exc:
+            if not isinstance(exc, UpstreamTimeout) or \
+                    self._authorized.get((self.credentials.key(exchange), path), 0.0) \
+                    > self.clock():
+                # Down or broken, or a yes within AUTHORIZED_TTL: authorized as for v2
+                # (a peer may say yes); legacy is always served.
+                return False if await self._authorize(exchange, path) else None
+            # Late: asking it again would double an overloaded backend's load for
+            # each such request, and the client's wait.
+            throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return None
         if answer.status == 406:  # kube authorizes before it negotiates
             return False
         if answer.status == 200:

@@ -673,7 +673,8 @@ class _Relay:
             refused = failover.refusal(status, raw, lowered, self.conn.upstream.name,
                                        to_peer=self.check_unserved,
                                        reroutable=self.check_shutdown,
-                                       replayable=self.exchange.replayable())
+                                       replayable=self.exchange.replayable(),
+                                       body_pending=self.body_pending())
             if refused is not None:
                 self._head(refused)
                 return
