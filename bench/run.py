@@ -234,6 +234,9 @@ def proxy_conf(work: Path, pki: Path, ports: dict[str, int]) -> Path:
         ssl_certificate_key {pki}/a/mvproxy.key;
         ssl_client_certificate {pki}/ca.crt;
         ssl_verify_client on;
+        # like mvproxy's listener (tls.SESSION_TICKETS): no session to resume with, so
+        # no stateless ticket is encrypted per handshake (its cache is off by default)
+        ssl_session_tickets off;
         location / {{
             proxy_pass https://backend_a;
             proxy_http_version 1.1;
