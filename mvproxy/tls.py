@@ -115,9 +115,10 @@ SESSION_TICKETS = 0
 """TLS 1.3 session tickets a server sends after each handshake (OpenSSL's default is 2).
 None: mvproxy's clients keep no TLS session cache (client-go, kubectl, mvproxy's own
 upstream connections), so a ticket is never used, and OpenSSL 3.0 pays for each one by
-re-parsing the session, client certificate included: ~130-180 µs per ticket, a quarter
-of a full mTLS handshake (docs/performance.md). No ticket also means no resumed session
-outlives a certificate reload that removed its CA. TLS 1.2 is left as it is."""
+re-parsing the session, client certificate included: ~140 µs per ticket in-process,
+~245 in ``bench/run.py`` (two are a third of a full mTLS connection; see
+docs/performance.md). No ticket also means no resumed session outlives a certificate
+reload that removed its CA. TLS 1.2 is left as it is."""
 
 
 def server_context(
