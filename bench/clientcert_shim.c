@@ -4,7 +4,8 @@
  * (SSL_clear), which keeps the TLS session, so every reconnect would resume it; the
  * SSL_clear below drops the session, so each new connection makes a full handshake with
  * client-certificate verification, as client-go does (it keeps no session cache).
- * BENCH_TLS_RESUME=1 keeps resumption. Written for mvproxy's bench; built by
+ * BENCH_TLS_RESUME=1 keeps the session (the bench's servers offer no resumption, so
+ * only a server configured for it would resume). Written for mvproxy's bench; built by
  * bench/run.py. */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -17,7 +17,8 @@ Starts on 127.0.0.1 only:
   podgroups request to "a" takes the peer route (two mvproxy hops, pooled).
 
 Load comes from wrk (client certificate through ``clientcert_shim.c`` preloaded, which
-also makes every new connection a full handshake, not a resumed session),
+also makes every new connection a full handshake, not a resumed session; no proxy here
+offers resumption either: mvproxy sends no ticket, the others are configured so),
 keep-alive, 32 connections. Layout, as in ``perf-anchors.md``: the proxy under test
 runs alone on CPU 0, wrk and the backend share CPU 1; CPU time is read from /proc
 (utime + stime of every process of the target). Each scenario runs in every round,
@@ -234,6 +235,9 @@ def proxy_conf(work: Path, pki: Path, ports: dict[str, int]) -> Path:
         ssl_certificate_key {pki}/a/mvproxy.key;
         ssl_client_certificate {pki}/ca.crt;
         ssl_verify_client on;
+        # like mvproxy's listener (tls.SESSION_TICKETS): no session to resume with, so
+        # no stateless ticket is encrypted per handshake (its cache is off by default)
+        ssl_session_tickets off;
         location / {{
             proxy_pass https://backend_a;
             proxy_http_version 1.1;

@@ -58,6 +58,7 @@ global
     nbthread 1
     maxconn 8192
     ssl-server-verify required
+    tune.ssl.cachesize 0
 
 defaults
     mode http
@@ -69,7 +70,7 @@ defaults
     timeout http-keep-alive 300s
 
 frontend in
-    bind 127.0.0.1:{listen} ssl crt {server} ca-file {pki}/ca.crt verify required
+    bind 127.0.0.1:{listen} ssl crt {server} ca-file {pki}/ca.crt verify required no-tls-tickets
     default_backend backend_a
 
 backend backend_a
@@ -97,6 +98,9 @@ def envoy_conf(work: Path, pki: Path, listen: int, backend: int) -> Path:
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
                  "DownstreamTlsContext",
         "require_client_certificate": True,
+        # no resumption, as nginx, HAProxy and mvproxy here: no ticket, no session cache
+        "disable_stateless_session_resumption": True,
+        "disable_stateful_session_resumption": True,
         "common_tls_context": {**tls("mvproxy.crt", "mvproxy.key"),
                                "validation_context": {"trusted_ca": {
                                    "filename": str(pki / "ca.crt")}}},

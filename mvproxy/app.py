@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -419,8 +420,19 @@ async def serve(daemon: Daemon, worker: WorkerRole | None = None, *,
     if worker is not None:
         _stop_when_closed(sys.stdin.fileno(), stop)
     async with running(daemon, worker):
+        freeze_startup_heap()
         await stop.wait()
         await _shutdown_delay(daemon, stop)
+
+
+def freeze_startup_heap() -> None:
+    """Put what start-up built (modules, configuration, contexts: ~50,000 objects) out
+    of the cyclic collector's reach, so that a full collection walks only what serving
+    made (~4,000): measured under the handshake bench, one took 17-125 ms, a pause that
+    every connection in flight waits out. Reference counting still frees frozen
+    objects; only a cycle among them that a reload drops stays, once per reload."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _shutdown_delay(daemon: Daemon, stop: asyncio.Event) -> None:

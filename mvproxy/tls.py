@@ -111,6 +111,16 @@ def _base_context(protocol: int) -> ssl.SSLContext:
     return ctx
 
 
+SESSION_TICKETS = 0
+"""TLS 1.3 session tickets a server sends after each handshake (OpenSSL's default is 2).
+None: mvproxy's clients keep no TLS session cache (client-go, kubectl, mvproxy's own
+upstream connections), so a ticket is never used, and OpenSSL 3.0 pays for each one by
+re-parsing the session, client certificate included: ~140 µs per ticket in-process,
+~245 in ``bench/run.py`` (two are a third of a full mTLS connection; see
+docs/performance.md). No ticket also means no resumed session outlives a certificate
+reload that removed its CA. TLS 1.2 is left as it is."""
+
+
 def server_context(
     cert_file: StrPath,
     key_file: StrPath,
@@ -126,6 +136,7 @@ def server_context(
     if require_client_cert and client_ca_file is None:
         raise PKIError("requiring client certificates needs a client CA file")
     ctx = _base_context(ssl.PROTOCOL_TLS_SERVER)
+    ctx.num_tickets = SESSION_TICKETS
     _load_cert_chain(ctx, cert_file, key_file)
     if client_ca_file is not None:
         _load_ca(ctx, client_ca_file, "client CA file")

@@ -13,6 +13,7 @@ bounded loops; nothing asserts on durations.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 
@@ -32,7 +33,7 @@ from daemon_support import (
 )
 
 from mvproxy import devpki
-from mvproxy.app import _peer_upstreams, build_daemon
+from mvproxy.app import _peer_upstreams, build_daemon, freeze_startup_heap
 from mvproxy.configfile import load_config
 from mvproxy.membership import Peer, StaticMembership
 
@@ -393,3 +394,15 @@ async def test_without_peer_tls_material_no_peer_becomes_an_upstream(root):
     assert _peer_upstreams(membership, daemon.peer_ssl)() == {}
     await daemon.transport.close()
     await daemon.poll_transport.close()
+
+
+def test_start_up_objects_are_left_out_of_full_collections() -> None:
+    """What exists when serving starts is frozen: a full collection walks only what
+    serving made since (``serve`` calls this once the listeners are up)."""
+    assert gc.get_freeze_count() == 0
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 1000
+        assert len(gc.get_objects()) < gc.get_freeze_count()
+    finally:
+        gc.unfreeze()

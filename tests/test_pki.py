@@ -266,12 +266,14 @@ def test_bad_host_rejected(tmp_path: Path) -> None:
 
 
 def handshake(
-    server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, server_hostname: str = "localhost"
+    server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, server_hostname: str = "localhost",
+    sessions: list[ssl.SSLSession | None] | None = None,
 ) -> tuple[object, object]:
     """Run one TLS exchange over loopback; returns (server outcome, client outcome).
 
     The server's outcome is the peer's DER certificate (or None) or the exception it hit;
-    the client's is the bytes it read after the handshake or its exception.
+    the client's is the bytes it read after the handshake or its exception. ``sessions``
+    gets the client's TLS session once it read them (with any tickets sent before).
     """
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(TIMEOUT)
@@ -299,6 +301,8 @@ def handshake(
         client = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         with client_ctx.wrap_socket(client, server_hostname=server_hostname) as tls:
             client_result: object = tls.recv(2)
+            if sessions is not None:
+                sessions.append(tls.session)
     except (OSError, ssl.SSLError) as e:
         client_result = e
     finally:
@@ -375,6 +379,17 @@ def test_client_refuses_wrong_hostname(pki_dir: Path) -> None:
     )
     _, client_result = handshake(server, client_context(pki_dir / "ca.crt"), "apiserver-b")
     assert isinstance(client_result, ssl.SSLCertVerificationError)
+
+
+def test_server_sends_no_session_ticket(pki_dir: Path) -> None:
+    """A client that would resume finds nothing to resume with: no TLS 1.3 ticket arrives
+    (mvproxy's clients never resume, and each ticket costs the server a re-parse)."""
+    client = client_context(pki_dir / "ca.crt", pki_dir / "admin.crt", pki_dir / "admin.key")
+    sessions: list[ssl.SSLSession | None] = []
+    server_result, client_result = handshake(mtls_server(pki_dir), client, sessions=sessions)
+    assert client_result == b"ok" and isinstance(server_result, bytes)
+    assert sessions and sessions[0] is not None
+    assert not sessions[0].has_ticket
 
 
 def test_contexts_policy(pki_dir: Path) -> None:
