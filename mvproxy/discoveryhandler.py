@@ -28,6 +28,12 @@ groups of the merged view get that far. A yes is remembered for ``AUTHORIZED_TTL
 per set of credentials and path (kube-apiserver itself caches a successful token
 authentication for 10 s), by a hash, never the credentials themselves; a no never is.
 
+The common request (a client polling ``/apis`` with the same Accept on a connection
+already said yes to) is answered by callbacks from the listener's entry point, without
+a task (``handle_now``): per cache generation and Accept value the answer's head and
+body are kept ready (``Prepared``), so it costs a scan of the request's fields, the
+memo lookups and one write. The yes is checked on every request, as on the slow path.
+
 While the backend is down (the probe cannot connect, or polling ended it) and the
 request has credentials, a reachable peer is asked the same question instead: its
 mvproxy answers a peer with its own backend's answer, so that backend authorizes the
@@ -43,10 +49,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from mvproxy import discovery, forwarding
+from mvproxy import discovery, forwarding, wire
 from mvproxy.cache import CacheView, DiscoveryCache
-from mvproxy.errors import UpstreamConnectError, UpstreamError, UpstreamUnreachable
+from mvproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from mvproxy.forwarding import ForwardError
 from mvproxy.identity import has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
@@ -56,6 +68,7 @@ from mvproxy.logs import throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo
 from mvproxy.transport import Fetched, Transport, Upstream
+from mvproxy.wire import RawFields
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +80,12 @@ MEMO_MAX_BYTES = 16 * 1024
 """Credentials larger than this are hashed on every request rather than remembered
 (a token is a few KiB; the head limit allows a MiB per request)."""
 
+
+PREPARED_MAX = 64
+"""Prepared answers kept per cache generation (keyed by the client's Accept value:
+client input, so bounded; beyond it, answers are rendered per request as before)."""
+PREPARED_ACCEPT_MAX_BYTES = 1024
+"""Longest Accept value an answer is prepared for."""
 
 MEMO_CONNECTIONS = 1024
 """Connections whose last credentials' hash is remembered (oldest forgotten first)."""
@@ -88,9 +107,10 @@ class CredentialsMemo:
         self._max = max_connections
 
     def key(self, exchange: Exchange) -> bytes:
-        credentials = tuple(name.lower() + b"\0" + value for name, value in exchange.raw
-                            if name[:1] in b"aAiI"
-                            and name.lower().startswith((b"authorization", b"impersonate-")))
+        return self.key_of(exchange, _scanned(exchange.raw).credentials)
+
+    def key_of(self, exchange: Exchange, credentials: tuple[bytes, ...]) -> bytes:
+        """``key`` for the credential lines ``_scanned`` found in ``exchange``."""
         connection = exchange.connection_id
         memo = self._by_connection.get(connection)
         if memo is not None and memo[0] == credentials:
@@ -129,24 +149,41 @@ class DiscoveryHandler:
     _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
     credentials: CredentialsMemo = field(default_factory=CredentialsMemo)
     clock: Callable[[], float] = time.monotonic
+    _prepared: dict[tuple[str, bytes | None], Prepared] = field(default_factory=dict)
+    """Ready answers of ``_prepared_view``, by (path, the client's Accept value)."""
+    _prepared_view: CacheView | None = None
 
     def handle_now(self, exchange: Exchange, info: RequestInfo) -> bool:
         """Answer at once when no upstream is needed: a merged document for credentials
         the backend said yes to within ``AUTHORIZED_TTL``. False: use ``handle``."""
         if exchange.downstream.is_peer or info.api_version:
             return False
+        scanned = _scanned(exchange.raw)
         path = _probe_path(info)
-        negotiated = _negotiate(exchange, path)
-        if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
-            return False
-        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
-            return False  # whether the backend serves it is asked every time
         view = self.cache.view()
-        if not _answerable(view, path):
+        if view is not self._prepared_view:  # a new generation: new documents
+            self._prepared = {}
+            self._prepared_view = view
+        prepared = self._prepared.get((path, scanned.accept))
+        if prepared is None:  # not yet prepared, or not preparable: decide it all
+            accept = scanned.accept
+            negotiated = discovery.negotiate(
+                None if accept is None else accept.decode("latin-1"),
+                aggregated=path in _TOP_LEVEL)
+            if negotiated.nopeer or negotiated.kind not in ("aggregated", "legacy"):
+                return False
+            if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+                return False  # whether the backend serves it is asked every time
+            if not _answerable(view, path):
+                return False
+        key = self.credentials.key_of(exchange, scanned.credentials)
+        if self._authorized.get((key, path), 0.0) <= self.clock():
             return False
-        if self._authorized.get((self.credentials.key(exchange), path), 0.0) <= self.clock():
-            return False
-        self._merged(exchange, view, negotiated, path)
+        if prepared is None:
+            self._merged(exchange, view, negotiated, path, prepare=True)
+            return True
+        self.metrics.aggregated_cache_hits.inc()
+        prepared.answer(exchange, scanned.if_none_match)
         return True
 
     async def handle(self, exchange: Exchange, info: RequestInfo) -> None:
@@ -169,7 +206,8 @@ class DiscoveryHandler:
             return
         # Authorization first, as in kube-apiserver: an unauthenticated client learns
         # nothing here, not even which Accept values a group path would take.
-        if negotiated.api_version == discovery.API_VERSION_V2BETA1:
+        asked_v2beta1 = negotiated.api_version == discovery.API_VERSION_V2BETA1
+        if asked_v2beta1:
             served = await self._backend_serves_v2beta1(exchange, path)
             if served is None:
                 return
@@ -187,20 +225,24 @@ class DiscoveryHandler:
             answer = status_reply(406, f"only {offered} discovery is served here")
             exchange.respond(answer.status, answer.fields, answer.body)
         else:
-            self._merged(exchange, view, negotiated, path)
+            self._merged(exchange, view, negotiated, path, prepare=not asked_v2beta1)
 
     def _merged(self, exchange: Exchange, view: CacheView,
-                negotiated: discovery.Negotiated, path: str) -> None:
+                negotiated: discovery.Negotiated, path: str, *, prepare: bool) -> None:
+        """The merged document, 200 or 304. ``prepare``: ``negotiated`` is what the
+        client's Accept gives by itself (not after asking the backend), so the answer
+        may be kept ready for it in this generation."""
         key = (path, negotiated.kind, negotiated.api_version or "")
         document, cached = view.document(key, lambda: _render(view, negotiated, path))
         (self.metrics.aggregated_cache_hits if cached
          else self.metrics.aggregated_cache_misses).inc()
-        fields = [("ETag", document.etag), ("Vary", "Accept"), ("Cache-Control", "public")]
-        if exchange.headers.get("If-None-Match") == document.etag:
-            exchange.respond(304, fields)
-            return
-        fields.append(("Content-Type", negotiated.content_type))
-        exchange.respond(200, fields, document.body)
+        prepared = Prepared.of(document.etag, negotiated.content_type, document.body)
+        scanned = _scanned(exchange.raw)
+        accept = scanned.accept
+        if prepare and view is self._prepared_view and len(self._prepared) < PREPARED_MAX \
+                and (accept is None or len(accept) <= PREPARED_ACCEPT_MAX_BYTES):
+            self._prepared[(path, accept)] = prepared
+        prepared.answer(exchange, scanned.if_none_match)
 
     async def _resource_list(self, exchange: Exchange, info: RequestInfo) -> None:
         """``GET /apis/<g>/<v>`` (``/api/<v>``) of a group/version the backend serves
@@ -288,9 +330,20 @@ class DiscoveryHandler:
             answer = await self.transport.fetch(self.backend.for_headers(headers), target,
                                                 headers=headers, timeout=self.live.probe_timeout,
                                                 max_bytes=self.live.max_document_bytes)
-        except UpstreamError:
-            # Down: authorized as for v2 (a peer may say yes); legacy is always served.
-            return False if await self._authorize(exchange, path) else None
+        except UpstreamError as exc:
+            if not isinstance(exc, UpstreamTimeout) or \
+                    self._authorized.get((self.credentials.key(exchange), path), 0.0) \
+                    > self.clock():
+                # Down or broken, or a yes within AUTHORIZED_TTL: authorized as for v2
+                # (a peer may say yes); legacy is always served.
+                return False if await self._authorize(exchange, path) else None
+            # Late: asking it again would double an overloaded backend's load for
+            # each such request, and the client's wait.
+            throttled.warning(log, "backend discovery probe failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return None
         if answer.status == 406:  # kube authorizes before it negotiates
             return False
         if answer.status == 200:
@@ -384,6 +437,66 @@ class DiscoveryHandler:
                 throttled.warning(log, "peer discovery probe failed", peer=peer_id,
                                   error=str(exc)[:300])
         return None
+
+
+class Scanned(NamedTuple):
+    """What discovery reads of a request's fields, in one pass over the raw bytes."""
+
+    accept: bytes | None
+    """The first ``Accept`` value (what ``exchange.headers.get`` gives, undecoded)."""
+    if_none_match: bytes | None
+    credentials: tuple[bytes, ...]
+    """Every ``Authorization*`` and ``Impersonate-*`` line, lowercased name, NUL, value."""
+
+
+def _scanned(raw: RawFields) -> Scanned:
+    accept = if_none_match = None
+    credentials = []
+    for name, value in raw:
+        first = name[:1]
+        if first in b"aAiI":
+            lowered = name.lower()
+            if lowered.startswith((b"authorization", b"impersonate-")):
+                credentials.append(lowered + b"\0" + value)
+            elif lowered == b"accept":
+                if accept is None:
+                    accept = value
+            elif lowered == b"if-none-match" and if_none_match is None:
+                if_none_match = value
+    return Scanned(accept, if_none_match, tuple(credentials))
+
+
+class Prepared:
+    """A merged document's answer, ready to write: the heads of its 200 and its 304
+    (what ``Exchange.respond`` would send before the framing), and the body."""
+
+    __slots__ = ("body", "etag", "length", "modified_head", "not_modified_head")
+
+    def __init__(self, etag: bytes, modified_head: bytes, not_modified_head: bytes,
+                 body: bytes):
+        self.etag = etag
+        self.modified_head = modified_head
+        self.not_modified_head = not_modified_head
+        self.body = body
+        self.length = str(len(body)).encode()
+
+    @classmethod
+    def of(cls, etag: str, content_type: str, body: bytes) -> Prepared:
+        fields = [("ETag", etag), ("Vary", "Accept"), ("Cache-Control", "public")]
+        not_modified = wire.response_head(304, "", fields)[:-2]  # framing follows
+        modified = wire.response_head(200, "", [*fields, ("Content-Type", content_type)])
+        return cls(etag.encode("latin-1"), modified[:-2], not_modified, body)
+
+    def answer(self, exchange: Exchange, if_none_match: bytes | None) -> None:
+        """A 304 if the client has this ETag, else the 200 (no body for HEAD); the
+        listener adds the framing and ``Connection`` as for any answer."""
+        if if_none_match == self.etag:
+            exchange.start_raw(304, self.not_modified_head, length=None, bodiless=True)
+            exchange.end()
+            return
+        head = exchange.method == "HEAD"
+        exchange.start_raw(200, self.modified_head, length=self.length, bodiless=head)
+        exchange.write(b"" if head else self.body, end=True)
 
 
 _TOP_LEVEL = frozenset(("/api", "/apis"))

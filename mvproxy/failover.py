@@ -121,14 +121,20 @@ def classify(error: UpstreamError | None, upstream: str, *, method: str, reset: 
 
 
 def refusal(status: int, raw: wire.RawFields, lowered: list[bytes], upstream: str, *,
-            to_peer: bool, reroutable: bool, replayable: bool) -> UpstreamError | None:
+            to_peer: bool, reroutable: bool, replayable: bool,
+            body_pending: bool) -> UpstreamError | None:
     """A response head that says nothing was processed, when another server may take
     the request instead of the client seeing it: a peer's 503 with ``UNSERVED``, or
-    the backend's 429 while it drains. None: relay the answer."""
+    the backend's 429 while it drains. None: relay the answer.
+
+    ``body_pending``: part of the request body has not reached the upstream yet. Go's
+    server then says ``Connection: close`` on any answer (256 KiB or more unread, or a
+    ``100-continue`` body), so a 429 with ``Retry-After`` (priority and fairness, a pod
+    behind ``pods/proxy``) would look like a drain: it is relayed instead."""
     if to_peer and status == 503 and UNSERVED_RAW in lowered:
         return UpstreamUnserved(upstream, "nothing reached its backend")
     if status == 429 and reroutable and b"connection" in lowered and replayable \
-            and shutting_down(raw, lowered):
+            and not body_pending and shutting_down(raw, lowered):
         return UpstreamShuttingDown(upstream, "refused the request: shutting down",
                                     wire.first(wire.decoded(raw), "retry-after"))
     return None

@@ -11,14 +11,15 @@ per read from the upstream, so a small answer is one write and a watch event rea
 the client when the upstream sends it.
 
 The request target goes out byte for byte as received: upstream kube-apiserver
-re-encodes and sorts the query and drops escaped path segments (upstream-mvp.md §8.9);
+re-encodes and sorts the query and drops escaped path segments (measured in
+docs/upstream-comparison.md);
 mvproxy does neither, and it only ever sends an origin-form target (``requestcheck``)
 to the upstream it was given.
 
 ``Connection: Upgrade`` requests (exec, attach, port-forward, WebSocket watches) use
 the same path up to the upstream's answer; on a ``101`` both connections switch to
 raw byte relaying (``tunnel``), with the same identity headers as a plain request
-(upstream-mvp.md §8.1 is the bug mvproxy must not repeat).
+(upstream's own upgrade path drops them: docs/upstream-comparison.md, Identity).
 """
 
 from __future__ import annotations
@@ -683,7 +684,8 @@ class _Relay:
             refused = failover.refusal(status, raw, lowered, self.conn.upstream.name,
                                        to_peer=self.check_unserved,
                                        reroutable=self.check_shutdown,
-                                       replayable=self.exchange.replayable())
+                                       replayable=self.exchange.replayable(),
+                                       body_pending=self.body_pending())
             if refused is not None:
                 self._head(refused)
                 return

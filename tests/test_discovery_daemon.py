@@ -424,6 +424,24 @@ async def test_a_probe_the_backend_answers_with_an_error_is_relayed(aiohttp_serv
             assert (status, body) == (500, _status(500, "InternalError", "etcd is gone"))
 
 
+async def test_a_ready_merged_answer_still_asks_for_each_connections_yes(aiohttp_server, root):
+    """Once ``/apis`` is answered from the ready answer (``Prepared``) for a client the
+    backend said yes to, a token the backend refuses, on the same pooled connection or
+    with the same Accept, still gets the backend's 401; a connection without a token
+    is asked for too (this backend says yes to it)."""
+    async with probed_cluster(aiohttp_server, root) as c:
+        for _ in range(3):
+            status, _, body = await _as(c, "/apis", "ok", KUBECTL)
+            assert status == 200 and body["kind"] == "APIGroupDiscoveryList"
+        assert c.daemon.proxy.discovery._prepared
+        for _ in range(2):
+            status, _, body = await _as(c, "/apis", "deny", KUBECTL)
+            assert (status, body) == (401, _status(401, "Unauthorized", "Unauthorized"))
+        said_yes = len(c.daemon.proxy.discovery._authorized)
+        status, _, _ = await c.get("/apis", who="bearer", headers={"Accept": KUBECTL})
+        assert status == 200 and len(c.daemon.proxy.discovery._authorized) == said_yes + 1
+
+
 async def test_a_backend_that_cannot_be_reached_is_a_503_with_retry_after(
         aiohttp_server, root):
     """The backend stopped after the first sync: the merged view still holds, the probe

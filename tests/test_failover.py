@@ -231,6 +231,42 @@ async def test_a_backend_shutting_down_is_relayed_where_nobody_else_may_take_it(
         assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") is None
 
 
+def go_busy_before_the_body(answers: list[str]):
+    """The backend's secrets answer a POST at once with 429 and ``Retry-After``
+    without reading its body, as priority and fairness (or a pod behind
+    ``pods/proxy``) do; Go's server then says ``Connection: close`` itself, since the
+    unread body (256 KiB or more, or one behind ``Expect: 100-continue``) stands
+    between it and the next request. Nothing says it is shutting down."""
+    async def busy(request: web.Request) -> web.Response:
+        answers.append(request.method)
+        return web.Response(status=429, text="Too many requests, please try again later.\n",
+                            headers={"Retry-After": "1", "Connection": "close"})
+
+    def routes(app: web.Application) -> None:
+        app.router.add_post(SECRETS, busy)
+    return routes
+
+
+async def test_a_429_said_before_the_body_came_is_relayed_not_taken_for_a_shutdown(
+        aiohttp_server, root):
+    """A client sends a create's head and holds its body back (a 100-continue client,
+    or a slow one): the backend's 429 with ``Connection: close`` is the busy server's
+    answer, not a drain, and it may have acted on the request (a pod behind
+    ``pods/proxy`` did). The client gets it; the create goes nowhere else and the
+    backend is not marked failing, whoever sends such requests."""
+    answers: list[str] = []
+    async with cluster(aiohttp_server, root, backend_routes=go_busy_before_the_body(answers)
+                       ) as c:
+        await ready(c)
+        head = (f"POST {SECRETS} HTTP/1.1\r\nHost: mvproxy\r\n"
+                "Content-Type: application/json\r\nContent-Length: 300000\r\n\r\n")
+        answer = await c.raw(head.encode(), who="admin")
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 429 Too Many Requests", answer[:300]
+        assert answers == ["POST"]
+        assert ("POST", SECRETS) not in c.seen["peer"]
+        assert await c.metric("mvproxy_backend_failovers_total", reason="shutting_down") is None
+
+
 async def test_a_load_shedding_429_is_relayed(aiohttp_server, root):
     """Priority and fairness' 429 has no Connection: close: the backend is busy, not
     leaving; its answer is the client's, and no peer is asked."""

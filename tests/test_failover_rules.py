@@ -140,10 +140,20 @@ def lowered(raw):
 ])
 def test_refusal(status, raw, to_peer, reroutable, replayable, expected):
     got = refusal(status, raw, lowered(raw), "b", to_peer=to_peer, reroutable=reroutable,
-                  replayable=replayable)
+                  replayable=replayable, body_pending=False)
     assert (type(got) if got is not None else None) is expected
     if isinstance(got, UpstreamShuttingDown):
         assert got.retry_after == "3"
+
+
+def test_a_429_said_before_the_body_came_is_relayed():
+    """Go's server says Connection: close on any answer while a request body is unread
+    (256 KiB or more, or behind 100-continue): a busy 429 then looks like a drain."""
+    assert refusal(429, CLOSE_RETRY, lowered(CLOSE_RETRY), "b", to_peer=False,
+                   reroutable=True, replayable=True, body_pending=True) is None
+    unserved = refusal(503, UNSERVED_FIELDS, lowered(UNSERVED_FIELDS), "b", to_peer=True,
+                       reroutable=False, replayable=True, body_pending=True)
+    assert type(unserved) is UpstreamUnserved  # a peer mvproxy's marker says it plainly
 
 
 # --------------------------------------------------------------------------- may_fall_back

@@ -19,6 +19,7 @@ import ssl
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import daemon_support
 import pytest
 from aiohttp import web
 from cryptography import x509
@@ -38,7 +39,7 @@ from daemon_support import (
 )
 from pki_support import issue
 
-from mvproxy import devpki, tls
+from mvproxy import devpki, discoveryhandler, tls
 from mvproxy.errors import UpstreamProtocolError
 from mvproxy.listener import DownstreamConnection
 
@@ -799,3 +800,89 @@ def test_peer_serving_certificates(tmp_path, root, cn, orgs, dns, must_name, pro
     found = tls.peer_serving_problem(cert.public_bytes(Encoding.DER), "apiserver-b",
                                      must_name=must_name)
     assert (found is None) if problem is None else (problem in (found or "")), found
+
+
+# --------------------------------------------------------------------------- attacker's review
+
+V2BETA1_FIRST = "application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList"
+
+
+def _slow_v2beta1_backend(monkeypatch, asked: list[str]) -> None:
+    """The backend answers aggregated v2beta1 questions late (an overloaded server):
+    ``asked`` collects the Authorization of each such question."""
+    made = daemon_support.fake_server
+
+    def fake(name, version, *args, **kwargs):
+        app = made(name, version, *args, **kwargs)
+        if name != "backend":
+            return app
+
+        @web.middleware
+        async def slow(request: web.Request, handler):
+            if "v=v2beta1" in request.headers.get("Accept", "") \
+                    and "Authorization" in request.headers:
+                asked.append(request.headers["Authorization"])
+                await asyncio.sleep(5)  # longer than the 300 ms timeouts.request below
+            return await handler(request)
+        app.middlewares.insert(0, slow)
+        return app
+    monkeypatch.setattr(daemon_support, "fake_server", fake)
+
+
+async def test_a_v2beta1_question_the_backend_answers_late_is_not_asked_twice(
+        aiohttp_server, root, monkeypatch):
+    """An overloaded backend that does not answer the v2beta1 question in time is not
+    asked again by the same client request (a retry storm on a slow server): the client
+    gets one 504 Status after one probe."""
+    asked: list[str] = []
+    _slow_v2beta1_backend(monkeypatch, asked)
+    async with cluster(aiohttp_server, root, timeouts={"request": "300ms"}) as c:
+        await ready(c)
+        answer = await c.raw(request("/apis", headers=f"Accept: {V2BETA1_FIRST}\r\n"
+                                                      "Authorization: Bearer alpha\r\n"),
+                             who="bearer")
+        assert status_of(answer) == 504, answer[:300]
+        assert body_of(answer)["kind"] == "Status"
+        assert asked == ["Bearer alpha"]
+
+
+@pytest.mark.xfail(strict=True, reason="the yes memo is keyed by the credential lines as "
+                   "sent, and kube-apiserver reads 'Bearer <token> <anything>' as <token>: "
+                   "one token mints any number of entries; a per-token or per-connection "
+                   "share of AUTHORIZED_MAX would be the fix")
+async def test_one_token_cannot_push_other_clients_out_of_the_discovery_memo(
+        aiohttp_server, root, monkeypatch):
+    """A client with one valid token that varies what kube-apiserver ignores in its
+    credentials ('Bearer <token> <n>') fills the memo of backend yeses and so pushes
+    every other client's out: each of their discovery requests then costs a probe."""
+    monkeypatch.setattr(discoveryhandler, "AUTHORIZED_MAX", 4)  # 10,000 in production
+
+    async def ask(authorization: str) -> None:
+        answer = await c.raw(request("/apis", headers=f"Accept: {AGGREGATED}\r\n"
+                                                      f"Authorization: {authorization}\r\n"),
+                             who="bearer")
+        assert status_of(answer) == 200
+
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        await ask("Bearer victim")
+        for n in range(8):
+            await ask(f"Bearer attacker {n}")
+        await ask("Bearer victim")
+        assert probes(c).count("Bearer victim") == 1
+
+
+async def test_a_discovery_yes_for_one_identity_is_not_reused_for_another_with_its_token(
+        aiohttp_server, root):
+    """The memo's key holds the connection's TLS identity with the credential lines: a
+    yes a certificate user got with a token is asked again for a client without that
+    certificate sending the same token, and again on each new connection only while
+    the yes is not remembered (same identity, same token: reused)."""
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        for who in ("admin", "admin", "bearer", "bearer"):
+            answer = await c.raw(request("/apis", headers=f"Accept: {AGGREGATED}\r\n"
+                                                          "Authorization: Bearer alpha\r\n"),
+                                 who=who)
+            assert status_of(answer) == 200
+        assert probes(c) == ["Bearer alpha", "Bearer alpha"]
