@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, AnyStr, Protocol
+from typing import Any, Protocol, cast, overload
 
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
@@ -124,14 +124,25 @@ def _kept(fields: list, peer: bool, to_peer: bool, n: _Names) -> tuple[list, lis
     return kept, forwarded, host
 
 
-def forwarded_for(prior: list[AnyStr], client: AnyStr, comma: AnyStr) -> AnyStr | None:
+@overload
+def forwarded_for(prior: list[str], client: str, comma: str) -> str | None: ...
+@overload
+def forwarded_for(prior: list[bytes], client: bytes, comma: bytes) -> bytes | None: ...
+def forwarded_for(prior: list[str] | list[bytes], client: str | bytes,
+                  comma: str | bytes) -> str | bytes | None:
     """The ``X-Forwarded-For`` value to send: what came in, then the client's address
     (Go's ``httputil.ReverseProxy``, which kube-apiserver's proxies use). None when
-    there is nothing to send."""
+    there is nothing to send. Overloads, not ``AnyStr``: mypyc compiles this module and
+    cannot narrow a type variable."""
+    if isinstance(comma, bytes):
+        raw = cast("list[bytes]", prior)
+        if not client:
+            return comma.join(raw) if raw else None
+        return comma.join([*raw, cast(bytes, client)]) if raw else client
+    text = cast("list[str]", prior)
     if not client:
-        return comma.join(prior) if prior else None
-    # mypy rejects a constrained TypeVar's list unpacked in a display (python/mypy#17698)
-    return comma.join([*prior, client]) if prior else client  # type: ignore[list-item]
+        return comma.join(text) if text else None
+    return comma.join([*text, cast(str, client)]) if text else client
 
 
 def request_headers(fields: wire.Fields, downstream: Downstream, *,
