@@ -51,6 +51,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from multidict import CIMultiDict
+
 from mvproxy import discovery, forwarding, wire
 from mvproxy.cache import CacheView, DiscoveryCache
 from mvproxy.errors import (
@@ -263,16 +265,8 @@ class DiscoveryHandler:
         headers["Accept"] = "application/json"
         for name in ("Accept-Encoding", "If-None-Match"):  # the body is rewritten
             headers.popall(name, None)
-        try:
-            answer = await self.transport.fetch(self.backend.for_headers(headers),
-                                                exchange.target, headers=headers,
-                                                timeout=self.live.probe_timeout,
-                                                max_bytes=self.live.max_document_bytes)
-        except UpstreamError as exc:
-            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
-                                       idempotent=True)
-            exchange.respond(failure.status, failure.fields, failure.body)
+        answer = await self._fetch_from_backend(exchange, headers)
+        if answer is None:
             return
         group_version = (f"{info.api_group}/{info.api_version}" if info.api_group
                          else info.api_version)
@@ -285,6 +279,22 @@ class DiscoveryHandler:
             return
         exchange.respond(answer.status, fields, answer.body)
 
+    async def _fetch_from_backend(self, exchange: Exchange,
+                                  headers: CIMultiDict[str]) -> Fetched | None:
+        """The backend's whole answer to ``exchange.target``; None when it could not be
+        reached, after answering the client with the 503/504 ``Status`` that says why."""
+        try:
+            return await self.transport.fetch(self.backend.for_headers(headers),
+                                              exchange.target, headers=headers,
+                                              timeout=self.live.probe_timeout,
+                                              max_bytes=self.live.max_document_bytes)
+        except UpstreamError as exc:
+            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
+            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
+                                       idempotent=True)
+            exchange.respond(failure.status, failure.fields, failure.body)
+            return None
+
     async def _unlisted_group(self, exchange: Exchange) -> None:
         """``GET /apis/<g>`` of a group no server's discovery lists: the backend's
         answer, asked as the client asked it (so a refusal is its own), except that its
@@ -296,16 +306,8 @@ class DiscoveryHandler:
         outlives the server that served it until a server starts and removes it.
         mvproxy answers what its ``/apis`` lists, and anything it lists can be got."""
         headers = forwarding.headers_for(exchange, to_peer=False)
-        try:
-            answer = await self.transport.fetch(self.backend.for_headers(headers),
-                                                exchange.target, headers=headers,
-                                                timeout=self.live.probe_timeout,
-                                                max_bytes=self.live.max_document_bytes)
-        except UpstreamError as exc:
-            throttled.warning(log, "backend discovery request failed", error=str(exc)[:300])
-            failure = upstream_failure(exc, "the backend API server", self.live.retry_after,
-                                       idempotent=True)
-            exchange.respond(failure.status, failure.fields, failure.body)
+        answer = await self._fetch_from_backend(exchange, headers)
+        if answer is None:
             return
         if answer.status == 200:
             exchange.respond(404, list(_NOT_FOUND_FIELDS), _NOT_FOUND_BODY)
