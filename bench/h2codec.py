@@ -166,6 +166,16 @@ def response_headers(n: int, body: bytes) -> list[tuple[bytes, bytes]]:
             (b"content-length", str(len(body)).encode())]
 
 
+def watch_events() -> list[bytes]:
+    """The events a watch carries, made once: a proxy relays them, it does not make them."""
+    if not _EVENTS:
+        _EVENTS.extend(watch_event(n) for n in range(1, WATCH_EVENTS + 1))
+    return _EVENTS
+
+
+_EVENTS: list[bytes] = []
+
+
 def watch_event(n: int) -> bytes:
     raw = json.dumps({"type": "MODIFIED", "object": {"kind": "ConfigMap", "apiVersion": "v1",
                       "metadata": {"name": "x", "namespace": "default",
@@ -278,6 +288,7 @@ class WatchSender:
         self.server = Server(lib, False, b"")
         self.stream = 0
         self.sent = 0
+        self.events = watch_events()
 
     def step(self, data: bytes) -> bytes:
         conn = self.server.conn
@@ -289,7 +300,7 @@ class WatchSender:
                                                 (b"cache-control", b"no-cache, private")])
         if self.stream and self.sent < WATCH_EVENTS:
             self.sent += 1
-            conn.send_data(self.stream, watch_event(self.sent),
+            conn.send_data(self.stream, self.events[self.sent - 1],
                            end_stream=self.sent == WATCH_EVENTS)
         return conn.data_to_send()
 
@@ -329,6 +340,107 @@ def replay_watch_receiver(lib: ModuleType, transcript: Transcript) -> None:
     client.send(1)
     for chunk in transcript.to_client[1:]:
         client.step(chunk)
+
+
+# --------------------------------------------------------------------------- HTTP/1.1
+
+
+class _Sink:
+    """httptools' callbacks, keeping what mvproxy's listener and transport keep: the raw
+    fields as llhttp gives them."""
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.url = b""
+        self.body = 0
+        self.done = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url = url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body += len(body)
+
+    def on_message_complete(self) -> None:
+        self.done += 1
+
+
+def _h1_fields(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(n, v) for n, v in headers if not n.startswith(b":")]
+
+
+def http1_works(requests: int) -> list[tuple[str, str, str, Any, int]]:
+    """The same shapes framed as HTTP/1.1 with what mvproxy uses (llhttp through
+    httptools to parse, ``mvproxy.wire`` to write relayed heads and chunks): the codec
+    part of today's request only, for a like-for-like column in the same rounds."""
+    import httptools
+
+    sys.path.insert(0, str(ROOT))
+    from mvproxy import wire
+    dropped = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
+    body = response_body()
+    works = []
+
+    def head(headers: list[tuple[bytes, bytes]], extra: bytes = b"") -> bytes:
+        lines = b"".join(n + b": " + v + b"\r\n" for n, v in _h1_fields(headers))
+        return b"GET " + PATH + b" HTTP/1.1\r\nhost: 10.0.0.10:6443\r\n" + lines + extra \
+            + b"\r\n"
+
+    def response(n: int) -> bytes:
+        fields = _h1_fields(response_headers(n, body))
+        return wire.status_line(200, b"OK") + b"".join(k + b": " + v + b"\r\n"
+                                                      for k, v in fields) + b"\r\n" + body
+
+    responses = [response(n) for n in range(requests)]
+    for case, length in TOKENS.items():
+        incoming = head(kubectl_headers(length))
+
+        def downstream(incoming: bytes = incoming) -> None:
+            sink = _Sink()
+            parser = httptools.HttpRequestParser(sink)
+            for n in range(requests):
+                sink.fields = []
+                parser.feed_data(incoming)
+                fields = _h1_fields(response_headers(n, body))  # as the upstream leg parsed it
+                lowered = [k.lower() for k, _ in fields]
+                wire.status_line(200, b"OK") + wire.raw_lines(fields, lowered, dropped) \
+                    + b"\r\n" + body
+        works.append(("downstream (server)", f"token {case}", "HTTP/1.1", downstream))
+        fields = _h1_fields(upstream_headers(length))
+
+        def upstream(fields: list = fields) -> None:
+            sink = _Sink()
+            parser = httptools.HttpResponseParser(sink)
+            for n in range(requests):
+                lowered = [k.lower() for k, _ in fields]
+                b"GET " + PATH + b" HTTP/1.1\r\nHost: 10.0.0.10:6443\r\n" \
+                    + wire.raw_lines(fields, lowered, dropped) + b"\r\n"
+                sink.fields = []
+                parser.feed_data(responses[n])
+                [k.lower() for k, _ in sink.fields]
+        works.append(("upstream (client), library default", f"token {case}", "HTTP/1.1",
+                      upstream))
+    raw_events = watch_events()
+    events = [wire.chunk(event) for event in raw_events]
+
+    def send_events() -> None:
+        for event in raw_events:
+            wire.chunk(event)
+
+    def receive_events() -> None:
+        sink = _Sink()
+        parser = httptools.HttpResponseParser(sink)
+        parser.feed_data(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            parser.feed_data(event)
+    works.append(("downstream (sends events)", "watch", "HTTP/1.1", send_events))
+    works.append(("upstream (receives events)", "watch", "HTTP/1.1", receive_events))
+    return [(leg, case, lib, work, WATCH_EVENTS if case == "watch" else requests)
+            for leg, case, lib, work in works]
 
 
 # --------------------------------------------------------------------------- measuring
@@ -379,6 +491,8 @@ def measure(libs: dict[str, ModuleType], args: argparse.Namespace) -> list[dict]
             lambda lib=lib, t=watch: replay_watch_sender(lib, t), watch.units)
         add("watch", "upstream (receives events)", name, "event",
             lambda lib=lib, t=watch: replay_watch_receiver(lib, t), watch.units)
+    for leg, case, lib_name, work, units in http1_works(args.requests):
+        add(case, leg, lib_name, "event" if case == "watch" else "req", work, units)
     for round_ in range(args.rounds):
         for cell in cells if round_ % 2 == 0 else reversed(cells):
             cpu, wall = one_round(cell["work"], cell["units"], args.min_round)
@@ -477,14 +591,16 @@ def render(result: dict) -> str:
              f"request or event, median of {result['rounds']} rounds of ≥ "
              f"{result['min_round']} s (min–max); {result['requests']} requests per "
              f"connection, {result['batch']} streams open at once.", "",
-             "| leg | case | h2 | jh2 |", "|---|---|---|---|"]
+             "| leg | case | h2 | jh2 | HTTP/1.1 framing (llhttp + mvproxy.wire) |",
+             "|---|---|---|---|---|"]
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for row in result["rows"]:
         cpu = row["cpu_us"]
         cells.setdefault((row["leg"], row["case"]), {})[row["library"]] = \
             f"{cpu[0]:.1f} ({cpu[1]:.1f}–{cpu[2]:.1f})"
     for (leg, case), by_lib in cells.items():
-        lines.append(f"| {leg} | {case} | {by_lib.get('h2', '–')} | {by_lib.get('jh2', '–')} |")
+        lines.append(f"| {leg} | {case} | {by_lib.get('h2', '–')} | {by_lib.get('jh2', '–')} "
+                     f"| {by_lib.get('HTTP/1.1', '–')} |")
     lines += ["", "| memory (tracemalloc) | h2 | jh2 |", "|---|---|---|"]
     mem = result["memory"]
     for side, what in (("server", "downstream"), ("client", "upstream")):
