@@ -19,6 +19,8 @@ measured alone by replaying a recorded conversation into a fresh connection obje
   200 comes back as a Go server encodes it. Twice: as the library sends headers by
   default (``authorization`` never indexed, so a token is Huffman-coded again on every
   request) and with the library's outbound normalisation off (indexed, like Go);
+  and, for the 40-byte token on both legs, with the library's outbound normalisation
+  and validation off (mvproxy checks what it relays itself), inbound validation on;
 - **watch**: one stream that carries 1,000 DATA frames of 1 KiB (a watch event each):
   the sender is mvproxy's downstream leg, the receiver its upstream leg; per event.
 
@@ -189,9 +191,10 @@ def watch_event(n: int) -> bytes:
 class Server:
     """mvproxy's downstream leg (or, recording, kube-apiserver): answers each request."""
 
-    def __init__(self, lib: ModuleType, go_like: bool, body: bytes) -> None:
+    def __init__(self, lib: ModuleType, go_like: bool, body: bytes, lean: bool = False) -> None:
         config = lib.config.H2Configuration(client_side=False,
-                                            normalize_outbound_headers=not go_like)
+                                            normalize_outbound_headers=not (go_like or lean),
+                                            validate_outbound_headers=not lean)
         self.conn = lib.connection.H2Connection(config=config)
         self.events = lib.events
         self.body = body
@@ -211,9 +214,11 @@ class Server:
 class Client:
     """mvproxy's upstream leg (or, recording, kubectl): sends requests a batch at a time."""
 
-    def __init__(self, lib: ModuleType, go_like: bool, headers: list) -> None:
+    def __init__(self, lib: ModuleType, go_like: bool, headers: list, lean: bool = False
+                 ) -> None:
         config = lib.config.H2Configuration(client_side=True,
-                                            normalize_outbound_headers=not go_like)
+                                            normalize_outbound_headers=not (go_like or lean),
+                                            validate_outbound_headers=not lean)
         self.conn = lib.connection.H2Connection(config=config)
         self.events = lib.events
         self.headers = headers
@@ -264,16 +269,16 @@ def record_requests(lib: ModuleType, client_go_like: bool, server_go_like: bool,
     return Transcript(to_server, to_client, requests)
 
 
-def replay_server(lib: ModuleType, transcript: Transcript) -> None:
-    server = Server(lib, False, response_body())
+def replay_server(lib: ModuleType, transcript: Transcript, lean: bool = False) -> None:
+    server = Server(lib, False, response_body(), lean)
     for chunk in transcript.to_server:
         server.step(chunk)
 
 
 def replay_client(lib: ModuleType, transcript: Transcript, headers: list, go_like: bool,
-                  batch: int) -> None:
+                  batch: int, lean: bool = False) -> None:
     """The client's part: its sends are the batches it made while recording, in order."""
-    client = Client(lib, go_like, headers)
+    client = Client(lib, go_like, headers, lean)
     client.send(0)
     client.step(transcript.to_client[0])
     for chunk in transcript.to_client[1:]:
@@ -478,6 +483,9 @@ def measure(libs: dict[str, ModuleType], args: argparse.Namespace) -> list[dict]
                                    args.batch)
             add(f"token {case}", "downstream (server)", name, "req",
                 lambda lib=lib, t=down: replay_server(lib, t), down.units)
+            if case == "40 B":  # what the library's own outbound checks cost
+                add(f"token {case}", "downstream (server), outbound checks off", name, "req",
+                    lambda lib=lib, t=down: replay_server(lib, t, True), down.units)
             up_headers = upstream_headers(length)
             for go_like, how in ((False, "library default"), (True, "all fields indexed")):
                 if length == 0 and go_like:
@@ -486,6 +494,10 @@ def measure(libs: dict[str, ModuleType], args: argparse.Namespace) -> list[dict]
                 add(f"token {case}", f"upstream (client), {how}", name, "req",
                     lambda lib=lib, t=up, h=up_headers, g=go_like:
                     replay_client(lib, t, h, g, args.batch), up.units)
+                if case == "40 B" and go_like:
+                    add(f"token {case}", "upstream (client), outbound checks off", name, "req",
+                        lambda lib=lib, t=up, h=up_headers:
+                        replay_client(lib, t, h, True, args.batch, True), up.units)
         watch = record_watch(lib)
         add("watch", "downstream (sends events)", name, "event",
             lambda lib=lib, t=watch: replay_watch_sender(lib, t), watch.units)
@@ -501,7 +513,10 @@ def measure(libs: dict[str, ModuleType], args: argparse.Namespace) -> list[dict]
         print(f"  round {round_ + 1} of {args.rounds} done, load average "
               f"{os.getloadavg()[0]:.2f}", flush=True)
     rows = []
-    legs = list(dict.fromkeys(c["leg"] for c in cells))
+    legs = ["downstream (server)", "downstream (server), outbound checks off",
+            "upstream (client), library default", "upstream (client), all fields indexed",
+            "upstream (client), outbound checks off", "downstream (sends events)",
+            "upstream (receives events)"]
     cases = list(dict.fromkeys(c["case"] for c in cells))
     for cell in sorted(cells, key=lambda c: (legs.index(c["leg"]), cases.index(c["case"]))):
         rows.append({"case": cell["case"], "leg": cell["leg"], "library": cell["library"],
