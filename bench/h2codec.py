@@ -30,7 +30,10 @@ connection; a fresh connection per replay, so connection set-up is in the figure
 spread over its requests. A round replays until ``--min-round`` seconds of CPU have
 passed; the figure is CPU time (``time.process_time``) per request, median of
 ``--rounds`` rounds (min–max); wall time (``time.perf_counter``) is kept beside it, and
-a round whose wall time is well above its CPU time was descheduled. Then the memory an
+a round whose wall time is well above its CPU time was descheduled. Every cell runs in
+every round, the order reversed each round. Beside the two libraries, in the same rounds:
+the same shapes framed as HTTP/1.1 the way mvproxy does today (llhttp through httptools,
+``mvproxy.wire``), the framing part of today's request only. Then the memory an
 open stream holds in each library (``tracemalloc``, 100 watches on one connection).
 
 Installs ``h2`` and ``jh2`` from PyPI into the bench's environment (the project's

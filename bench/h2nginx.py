@@ -123,9 +123,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
             for load in LOADS if round_ % 2 else reversed(LOADS):
                 runs[load[0]].append(measure(load, bench, url, pids, args.duration,
                                              args.warmup))
-        version = subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
+        version = subprocess.run([nginx, "-v"], capture_output=True, text=True,
+                                 timeout=30).stderr.strip()
         h2load_version = subprocess.run(["h2load", "--version"], capture_output=True,
-                                        text=True).stdout.strip()
+                                        text=True, timeout=30).stdout.strip()
     finally:
         procs.stop()
     reference = runs[LOADS[-1][0]]
