@@ -69,6 +69,7 @@ PG_PATH = "/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups/bench"
 
 TOOLS = (("nginx", "nginx-light"), ("haproxy", "haproxy"), ("wrk", "wrk"), ("gcc", "gcc"))
 APT_LOCK_WAIT = ("-o", "DPkg::Lock::Timeout=600")  # other apt-gets on a shared machine
+APT_TRIES = 3
 
 
 def in_project_env() -> None:
@@ -84,9 +85,11 @@ def in_project_env() -> None:
                          "creates .venv)") from None
 
 
-def ensure_tools() -> None:
-    """nginx, HAProxy, wrk and gcc from Debian, without starting Debian's services."""
-    missing = [pkg for tool, pkg in TOOLS
+def ensure_tools(tools: tuple[tuple[str, str], ...] = TOOLS) -> None:
+    """The (tool, Debian package) pairs missing here, from Debian, without starting
+    Debian's services; apt-get is retried a few times when another run holds its lock
+    beyond ``DPkg::Lock::Timeout``."""
+    missing = [pkg for tool, pkg in tools
                if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
     if not missing:
         return
@@ -99,10 +102,17 @@ def ensure_tools() -> None:
         policy.chmod(0o755)
     try:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", *APT_LOCK_WAIT, "update", "-q"], check=True, env=env,
-                       timeout=900, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", *APT_LOCK_WAIT, "install", "-y", "-q", *missing],
-                       check=True, env=env, timeout=1200, stdout=subprocess.DEVNULL)
+        for attempt in range(1, APT_TRIES + 1):
+            try:
+                subprocess.run(["apt-get", *APT_LOCK_WAIT, "update", "-q"], check=True, env=env,
+                               timeout=900, stdout=subprocess.DEVNULL)
+                subprocess.run(["apt-get", *APT_LOCK_WAIT, "install", "-y", "-q", *missing],
+                               check=True, env=env, timeout=1200, stdout=subprocess.DEVNULL)
+                break
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                if attempt == APT_TRIES:
+                    raise
+                time.sleep(30)
     finally:
         if created:
             policy.unlink()
@@ -226,11 +236,14 @@ def backend_conf(work: Path, pki: Path, roots: dict[str, Path], ports: dict[str,
     return _nginx_conf(work, "backend", "\n".join(servers))
 
 
-def proxy_conf(work: Path, pki: Path, ports: dict[str, int]) -> Path:
+def proxy_conf(work: Path, pki: Path, ports: dict[str, int], http2: bool = False) -> Path:
+    """nginx as the reference reverse proxy; ``http2`` offers h2 in ALPN beside HTTP/1.1
+    (the upstream leg stays HTTP/1.1 either way: nginx proxies in HTTP/1.x only)."""
+    listen = f"127.0.0.1:{ports['nginx']} ssl" + (" http2" if http2 else "")
     server = f"""
     upstream backend_a {{ server 127.0.0.1:{ports['a']}; keepalive 512; }}
     server {{
-        listen 127.0.0.1:{ports['nginx']} ssl;
+        listen {listen};
         ssl_certificate {pki}/a/mvproxy.crt;
         ssl_certificate_key {pki}/a/mvproxy.key;
         ssl_client_certificate {pki}/ca.crt;
