@@ -112,7 +112,7 @@ class _CappedReads(asyncio.BufferedProtocol):
 
 
 async def accept_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                     protocol: asyncio.Protocol, context: ssl.SSLContext, *,
+                     protocol: FlowControl, context: ssl.SSLContext, *,
                      handshake_timeout: float) -> asyncio.Transport:
     """``connect_accepted_socket`` with TLS, the TCP transport kept (returned): see
     ``_wrap``. ``protocol.connection_made`` follows the handshake."""
@@ -123,7 +123,7 @@ async def accept_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 
 async def connect_tls(loop: asyncio.AbstractEventLoop, host: str, port: int,
-                      protocol: asyncio.Protocol, context: ssl.SSLContext, *,
+                      protocol: FlowControl, context: ssl.SSLContext, *,
                       server_hostname: str, handshake_timeout: float) -> asyncio.Transport:
     """``create_connection`` with TLS, the TCP transport kept (returned)."""
     raw, plain = await loop.create_connection(_Unwrapped, host, port)
@@ -134,7 +134,7 @@ async def connect_tls(loop: asyncio.AbstractEventLoop, host: str, port: int,
 
 
 async def _wrap(loop: asyncio.AbstractEventLoop, raw: asyncio.Transport, early: list[bytes],
-                protocol: asyncio.Protocol, context: ssl.SSLContext, *, server_side: bool,
+                protocol: FlowControl, context: ssl.SSLContext, *, server_side: bool,
                 server_hostname: str | None, handshake_timeout: float, capped: bool,
                 behind: Callable[[], bool] | None = None) -> None:
     """Put the loop's own TLS protocol on ``raw`` as ``start_tls`` does, with a small
@@ -195,8 +195,13 @@ def limit_buffers(transport: asyncio.BaseTransport) -> None:
                 setter(high=high, low=low)
 
 
-class FlowControl(asyncio.Protocol):
-    """Mixin for the data plane's protocols; ``_flow_init`` from ``__init__``."""
+class FlowControl:
+    """Base of the data plane's protocols; ``_flow_init`` from ``__init__``.
+
+    Not an ``asyncio.Protocol`` subclass: the loop calls protocols by name, and a
+    class compiled by mypyc that derives from a Python class crashes the interpreter
+    when an instance that had a weak reference is freed (docs/compiled.md). Compiled,
+    its instances cannot be weakly referenced at all (a ``TypeError``, not a crash)."""
 
     transport: asyncio.Transport | None
 

@@ -218,7 +218,6 @@ class Exchange:
     """One request on a downstream connection, and the way to answer it."""
 
     __slots__ = (
-        "__weakref__",
         "_body_done",
         "_buffered",
         "_chunks",

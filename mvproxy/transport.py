@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -65,6 +65,16 @@ USER_TIMEOUT_MS = 30_000
 """Unacknowledged data for this long ends the connection (TCP_USER_TIMEOUT)."""
 BODY_HIGH_WATER = 256 * 1024
 """Response bytes buffered for a slow reader before reading from the upstream pauses."""
+
+
+_Error = TypeVar("_Error", bound=BaseException)
+
+
+def _caused_by(error: _Error, cause: BaseException) -> _Error:
+    """``error`` with ``cause`` as its ``__cause__``, as ``raise error from cause``
+    would set it: compiled by mypyc, ``from cause`` is dropped (a plain ``raise``)."""
+    error.__cause__ = cause
+    return error
 
 
 class BodyTooLarge(UpstreamProtocolError):
@@ -462,11 +472,14 @@ class Pool:
                     loop, upstream.host, upstream.port, conn, conn.context,
                     server_hostname=upstream.host, handshake_timeout=self.connect_timeout)
         except TimeoutError as exc:
-            raise UpstreamConnectError(upstream.name, "connect timed out") from exc
+            raise _caused_by(UpstreamConnectError(upstream.name, "connect timed out"),
+                             exc) from exc
         except socket.gaierror as exc:
-            raise UpstreamUnresolved(upstream.name, f"cannot resolve: {exc}") from exc
+            raise _caused_by(UpstreamUnresolved(upstream.name, f"cannot resolve: {exc}"),
+                             exc) from exc
         except (OSError, ssl.SSLError) as exc:
-            raise UpstreamConnectError(upstream.name, f"cannot connect: {exc}") from exc
+            raise _caused_by(UpstreamConnectError(upstream.name, f"cannot connect: {exc}"),
+                             exc) from exc
         if upstream.is_peer:
             ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport else None
             der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
@@ -655,7 +668,7 @@ class Transport:
                     pool.release(conn)
                     return collector.result()
         except TimeoutError as exc:
-            raise UpstreamTimeout(upstream.name, "timed out") from exc
+            raise _caused_by(UpstreamTimeout(upstream.name, "timed out"), exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:

@@ -18,32 +18,18 @@ from aiohttp.test_utils import TestServer
 from daemon_support import cluster, ready
 from test_connection_release import (
     FLOOD,
+    OBSERVERS,
     SCENARIOS,
     Tracked,
     ended_connections_are_gone,
     flood_routes,
+    ours,
     request,
     send,
     stalled_bounds,
 )
 
 from mvproxy import listener, transport
-
-
-def track(seen: Tracked) -> None:
-    for cls, name in ((listener.DownstreamConnection, "downstream connection"),
-                      (transport.UpstreamConnection, "upstream connection")):
-        def made(self, transport_, _made=cls.connection_made, _name=name) -> None:
-            seen.add(_name, self)
-            seen.add(f"{_name} SSLObject", transport_.get_extra_info("ssl_object"), self)
-            _made(self, transport_)
-        cls.connection_made = made  # type: ignore[method-assign]
-    init = listener.Exchange.__init__
-
-    def exchange_init(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        seen.add("exchange", self)
-    listener.Exchange.__init__ = exchange_init  # type: ignore[method-assign]
 
 
 async def main(root: Path) -> None:
@@ -55,10 +41,11 @@ async def main(root: Path) -> None:
         servers.append(made)
         return made
 
-    seen = Tracked()
-    track(seen)
+    seen = Tracked(transports=False)  # uvloop's (Cython) cannot be weakly referenced
+    OBSERVERS.append(seen.observe)
     try:
-        async with cluster(server, root, backend_routes=flood_routes) as c:
+        async with cluster(server, root, backend_routes=flood_routes,
+                           peer_routes=flood_routes) as c:
             await ready(c)
             gc.collect()
             gc.disable()
@@ -68,22 +55,22 @@ async def main(root: Path) -> None:
             stalled = asyncio.create_task(send(c.port, c.contexts["admin"], request(FLOOD),
                                                read=False, read_for=12.0))
             for _ in range(200):  # stalled once the kernel's buffers are full (≤ 10 s)
-                up = [conn for conn in seen.objects("upstream connection") if conn._paused_by]
+                up = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
                 if up:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)  # whatever was in flight has landed
-            [down] = [conn for conn in seen.objects("downstream connection")
-                      if not conn.ended]
-            [up] = [conn for conn in seen.objects("upstream connection") if conn._paused_by]
+            [down] = [conn for conn in ours(listener.DownstreamConnection) if not conn.ended]
+            [up] = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
             print("stalled:", json.dumps(stalled_bounds(down, up)))
             del down, up
             await stalled
             print("alive:", await ended_connections_are_gone(c, seen))
             gc.collect()
-            ours = [o for o in gc.garbage if type(o).__module__.split(".")[0]
-                    in ("mvproxy", "ssl", "_ssl") or "SSLProtocol" in type(o).__name__]
-            print("unreachable of ours:", len(ours), sorted({type(o).__name__ for o in ours}))
+            garbage = [o for o in gc.garbage if type(o).__module__.split(".")[0]
+                       in ("mvproxy", "ssl", "_ssl") or "SSLProtocol" in type(o).__name__]
+            print("unreachable of ours:", len(garbage),
+                  sorted({type(o).__name__ for o in garbage}))
             gc.set_debug(0)
             gc.garbage.clear()
             gc.enable()

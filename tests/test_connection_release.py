@@ -4,9 +4,10 @@ Long-lived connections reach the cyclic garbage collector's oldest generation, w
 is almost never collected: a connection that is only freed by the collector keeps its
 TLS buffers for good. Each test here turns the collector off, runs one kind of
 exchange through the in-process daemon (real TLS on 127.0.0.1, fake backend and peer),
-ends it, and checks through weak references that every downstream and upstream
-connection that ended, every ``Exchange``, their TLS transports and ``SSLObject``s are
-gone. The same runs under uvloop, the daemon's loop, in a child process.
+ends it, and checks that every downstream and upstream connection that ended and every
+``Exchange`` are gone from the objects the collector tracks (compiled by mypyc, they
+cannot be weakly referenced), and their TLS transports and ``SSLObject``s by weak
+reference. The same runs under uvloop, the daemon's loop, in a child process.
 
 The stalled stream: a backend that streams without pause to a client that never
 reads (4 KiB receive buffer, reading paused) must be held back within tens of KiB by
@@ -25,7 +26,7 @@ import ssl
 import subprocess
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,11 @@ FLOOD = "/api/v1/pods?watch=true"
 GET = "/api/v1/namespaces/default/configmaps/x"
 
 
+OBSERVERS: list[Callable[[], None]] = []
+"""Called by the fake backend while it handles each request: the moment every object of
+that request's path (both connections, the exchange, their transports) is alive."""
+
+
 def flood_routes(app: web.Application) -> None:
     async def flood(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -51,66 +57,77 @@ def flood_routes(app: web.Application) -> None:
             pass  # the client left
         return response
 
+    @web.middleware
+    async def observed(request: web.Request, handler):  # noqa: ANN001 - aiohttp's
+        for observe in OBSERVERS:
+            observe()
+        return await handler(request)
+
     app.router.add_get("/api/v1/pods", flood)
+    app.middlewares.append(observed)
+
+
+KINDS = {listener.DownstreamConnection: "downstream connection",
+         transport.UpstreamConnection: "upstream connection",
+         listener.Exchange: "exchange"}
+
+
+def ours(kind: type) -> list:
+    """The live instances of one of ``KINDS``, found among the objects the collector
+    tracks (it need not run for that): compiled, they cannot be weakly referenced."""
+    return [obj for obj in gc.get_objects() if type(obj) is kind]
 
 
 class Tracked:
-    """Weak references to every connection, exchange, transport and SSLObject made;
-    a connection's transport and SSLObject are grouped with it."""
+    """What was seen of each of ``KINDS`` while a request was in flight (``observe``),
+    with weak references to the connections' TLS transports and SSLObjects, each
+    grouped with its connection."""
 
-    def __init__(self) -> None:
-        self.refs: list[tuple[str, weakref.ref, weakref.ref | None]] = []
+    def __init__(self, *, transports: bool = True) -> None:
+        self.transports = transports
+        self.seen: dict[str, int] = dict.fromkeys(KINDS.values(), 0)
+        self.refs: dict[tuple[str, int], weakref.ref] = {}
 
-    def add(self, what: str, obj: object, owner: object = None) -> None:
-        if obj is not None:
-            self.refs.append((what, weakref.ref(obj),
-                              weakref.ref(owner) if owner is not None else None))
-
-    def objects(self, what: str) -> list:
-        return [obj for name, ref, _ in self.refs if name == what
-                and (obj := ref()) is not None]
+    def observe(self) -> None:
+        for kind, name in KINDS.items():
+            found = ours(kind)
+            self.seen[name] += len(found)
+            if kind is listener.Exchange:
+                continue
+            for conn in found:
+                if conn.transport is None:
+                    continue
+                parts = {"SSLObject": conn.transport.get_extra_info("ssl_object")}
+                if self.transports:
+                    parts["transport"] = conn.transport
+                for part, obj in parts.items():
+                    if obj is not None:
+                        self.refs.setdefault((f"{name} {part}", id(conn)), weakref.ref(obj))
 
     def alive(self) -> list[str]:
         """What is alive though it ended (or belongs to a connection that ended): an
         open connection (a pooled one, a discovery poll's) is left alone, with its
         transport."""
-        left = []
-        for what, ref, owner_ref in self.refs:
-            obj = ref()
-            if obj is None:
-                continue
-            owner = owner_ref() if owner_ref is not None else obj
-            if owner is not None and not getattr(owner, "ended", True):
-                continue  # still open
-            left.append(what)
+        left, open_ids = [], set()
+        for kind, name in KINDS.items():
+            for obj in ours(kind):
+                if kind is not listener.Exchange and not obj.ended:
+                    open_ids.add(id(obj))
+                else:
+                    left.append(name)
+        left += [what for (what, owner), ref in self.refs.items()
+                 if ref() is not None and owner not in open_ids]
         return left
 
 
 @pytest.fixture
-def tracked(monkeypatch) -> Iterator[Tracked]:
+def tracked() -> Iterator[Tracked]:
     seen = Tracked()
-
-    def watch(cls: type, name: str) -> None:
-        made = cls.connection_made
-
-        def connection_made(self, transport_: asyncio.BaseTransport) -> None:
-            seen.add(name, self)
-            seen.add(f"{name} transport", transport_, self)
-            seen.add(f"{name} SSLObject", transport_.get_extra_info("ssl_object"), self)
-            made(self, transport_)
-
-        monkeypatch.setattr(cls, "connection_made", connection_made)
-
-    watch(listener.DownstreamConnection, "downstream connection")
-    watch(transport.UpstreamConnection, "upstream connection")
-    init = listener.Exchange.__init__
-
-    def exchange_init(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        seen.add("exchange", self)
-
-    monkeypatch.setattr(listener.Exchange, "__init__", exchange_init)
-    yield seen
+    OBSERVERS.append(seen.observe)
+    try:
+        yield seen
+    finally:
+        OBSERVERS.remove(seen.observe)
 
 
 @pytest.fixture
@@ -180,12 +197,13 @@ still left for the collector by that loop's transports; the daemon runs uvloop, 
 async def test_ended_connections_are_freed_without_the_collector(
         aiohttp_server, root, tracked, no_collector, scenario):
     data, read = SCENARIOS[scenario]
-    async with cluster(aiohttp_server, root, backend_routes=flood_routes) as c:
+    async with cluster(aiohttp_server, root, backend_routes=flood_routes,
+                       peer_routes=flood_routes) as c:
         await ready(c)
         for _ in range(3):
             await send(c.port, c.contexts["admin"], data, read=read)
-        assert any(what == "exchange" for what, _, _ in tracked.refs)
-        assert any(what == "upstream connection" for what, _, _ in tracked.refs)
+        assert tracked.seen["exchange"] > 0
+        assert tracked.seen["upstream connection"] > 0
         assert await ended_connections_are_gone(c, tracked) == []
     assert gc.isenabled() is False  # nothing above turned the collector back on
     record("Memory", f"ended connections, collector off, asyncio loop: {scenario}", 3,

@@ -24,7 +24,7 @@ from mvproxy.identity import ANONYMOUS_DOWNSTREAM, user_downstream
 from mvproxy.listener import DownstreamConnection, Exchange, Limits, Listener
 from mvproxy.live import LiveSettings
 from mvproxy.metrics import Metrics
-from mvproxy.transport import Fetched
+from mvproxy.transport import Fetched, Transport, Upstream
 
 AGGREGATED = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
 ADMIN = user_downstream("admin", ("system:masters",))
@@ -122,8 +122,13 @@ class Setup:
         self.handler = DiscoveryHandler(cache=self.cache, transport=self.backend,
                                         backend=self.backend, metrics=self.metrics,
                                         live=LiveSettings(5, 10.0, 1 << 20))
-        proxy = Proxy(server_id="a", cache=self.cache, transport=self.backend,
-                      backend=self.backend, peers=dict, metrics=self.metrics,
+        # The engine's own transport and backend (compiled, it takes no look-alikes),
+        # never used: discovery, all these tests ask for, goes through the handler's.
+        unused = Upstream(name="backend", url="https://127.0.0.1:9",
+                          ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+        proxy = Proxy(server_id="a", cache=self.cache,
+                      transport=Transport(connect_timeout=1.0, request_timeout=1.0),
+                      backend=unused, peers=dict, metrics=self.metrics,
                       discovery=self.handler, rng=random.Random(1))
         self.proxy_listener = self._listener(proxy.handle)
         self.reference_listener = self._listener(self._reference)

@@ -20,9 +20,9 @@ import json
 import random
 import re
 import socket
+import ssl
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -42,6 +42,7 @@ from mvproxy.forwarding import (
     upstream_head,
 )
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, PEER, USER, Downstream
+from mvproxy.listener import DownstreamConnection, Exchange, Limits, Listener
 from mvproxy.transport import Transport, Upstream
 
 WAIT = 10.0
@@ -176,11 +177,27 @@ def test_peer_downstream_toward_a_peer_gets_one_peer_proxied_marker():
     assert out.getall("x-kubernetes-peer-proxied") == ["true"]
 
 
+def _exchange(raw, downstream: Downstream) -> Exchange:
+    """A real ``Exchange`` (the compiled engine takes no look-alike) for ``GET
+    /api/v1/pods`` with ``raw`` fields, on a connection of ``downstream``."""
+    async def made() -> Exchange:
+        listener = Listener(handler=lambda exchange, conn: None, limits=Limits(),
+                            ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
+                            resolve_identity=lambda der: downstream, anonymous=downstream,
+                            on_refused=lambda status: None)
+        return Exchange(DownstreamConnection(listener), "GET", "/api/v1/pods", (1, 1), raw,
+                        True, False)
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(made())
+    finally:
+        loop.close()
+
+
 def _via_raw_head(fields, downstream, *, to_peer: bool, client: str) -> CIMultiDict:
     """The hot path's filter (``upstream_head``, bytes) on the same input, as headers."""
-    exchange = SimpleNamespace(
-        downstream=downstream, raw=[(n.encode(), v.encode()) for n, v in fields],
-        raw_method=b"GET", raw_target=b"/api/v1/pods", has_body=False, upgrade=False)
+    exchange = _exchange([(n.encode(), v.encode()) for n, v in fields], downstream)
     head, _ = upstream_head(exchange, b"peer.example:6443", client=client.encode(),
                             audit_id=b"id-1" if to_peer else b"")
     lines = head.decode().split("\r\n")[1:-2]

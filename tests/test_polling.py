@@ -402,10 +402,16 @@ def test_upstream_types_resolve_once_then_count_each_fetch():
 async def test_unexpected_errors_do_not_escape_a_poll(harness, monkeypatch):
     h = await harness()
 
-    async def broken(*args, **kwargs):
-        raise RuntimeError("bug")
+    class Broken:
+        """A transport whose every fetch fails with a bug (the compiled ``Transport``'s
+        methods cannot be replaced on an instance)."""
 
-    monkeypatch.setattr(h.transport, "fetch", broken)
+        request_timeout = h.transport.request_timeout
+
+        async def fetch(self, *args, **kwargs):
+            raise RuntimeError("bug")
+
+    monkeypatch.setattr(h.poller, "transport", Broken())
     await h.poll(PEER_B)  # must not raise
     assert h.errors("fetch_discovery") == 2 and h.reasons() == {"internal": 2}
     assert h.cache.state(PEER_B).polled
