@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = ("accept", "cache", "discovery", "failover", "flow", "forwarding", "handlers",
-           "listener", "live", "requestinfo", "routing", "transport", "wire")
+           "listener", "live", "requestcheck", "requestinfo", "routing", "transport", "wire")
 """Compiled when built with mypyc (``setup.py`` reads this tuple): what the profile of a
 small GET names (bench/compiled.py, docs/compiled.md)."""
 PURE_ENV = "MVPROXY_PURE"
