@@ -282,8 +282,10 @@ class Services(Protocol):
     def fallback(self, info: RequestInfo) -> tuple[str, ...]:
         """Capable peers, in order, for a request the backend did not take."""
 
-    def unavailable(self, info: RequestInfo, peers: tuple[str, ...]) -> Reply:
-        """The 503 when membership has none of ``peers`` any more."""
+    def unavailable(self, info: RequestInfo, peers: tuple[str, ...],
+                    downstream: Downstream) -> Reply:
+        """The 503 when membership has none of ``peers`` any more (``downstream``: who
+        asks, which decides whether the answer names them)."""
 
     def backend_failed(self, error: str) -> None:
         """The backend is down or going (routing prefers peers until it polls well)."""
@@ -506,7 +508,7 @@ class Forward:
         self.targets = [(peer_id, upstreams[peer_id]) for peer_id in ids
                         if peer_id in upstreams]
         if not self.targets:  # membership dropped every candidate
-            answer = services.unavailable(info, ids)
+            answer = services.unavailable(info, ids, self.exchange.downstream)
             self.exchange.respond(answer.status, answer.fields, answer.body)
             self.finish()
             return True

@@ -31,7 +31,7 @@ from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.errors import (
     UpstreamError,
 )
-from mvproxy.identity import REFUSED, Downstream, has_credentials, is_peer_proxied
+from mvproxy.identity import REFUSED, Downstream, Kind, has_credentials, is_peer_proxied
 from mvproxy.kubestatus import Reply, status_reply, upstream_failure
 from mvproxy.listener import DownstreamConnection, Exchange, run_in_task
 from mvproxy.logs import V, kv, throttled
@@ -109,7 +109,8 @@ class Proxy:
             self._to_peers(exchange, conn, info, decision.peers,
                            long_running or exchange.upgrade)
         elif route == routing.UNAVAILABLE:
-            self._answer(exchange, conn, route, self.unavailable(info, decision.peers))
+            self._answer(exchange, conn, route, self.unavailable(info, decision.peers,
+                                                                  exchange.downstream))
         elif route == routing.DISCOVERY:
             _, duration = self._route_metrics(route)
             started = time.perf_counter()
@@ -148,7 +149,8 @@ class Proxy:
         targets = [(peer_id, upstreams[peer_id]) for peer_id in candidates
                    if peer_id in upstreams]
         if not targets:  # membership dropped every candidate
-            self._answer(exchange, conn, routing.PEER, self.unavailable(info, candidates))
+            self._answer(exchange, conn, routing.PEER, self.unavailable(info, candidates,
+                                                                       exchange.downstream))
             return
         audit_id = str(uuid.uuid4()).encode()
         head, _ = forwarding.upstream_head(exchange, targets[0][1].raw_authority,
@@ -188,13 +190,20 @@ class Proxy:
         # serves too to that peer (``routing.BACKEND_FAILING``).
         self.cache.record_failure(self.server_id, error)
 
-    def unavailable(self, info: RequestInfo, peers: tuple[str, ...]) -> Reply:
+    def unavailable(self, info: RequestInfo, peers: tuple[str, ...],
+                    downstream: Downstream) -> Reply:
         gvr = forwarding.gvr_labels(info)
         self.metrics.peer_proxy_errors.labels("endpoint_resolution", *gvr).inc()
         what = "/".join(p for p in gvr if p)
+        # Which peers only to a client whose certificate mvproxy verified: anyone may
+        # send a token mvproxy cannot check (a junk one too), and server IDs name the
+        # control plane's members. The log says which to the operator either way.
+        log.log(V(2), "no reachable peer serves the request",
+                extra=kv(resource=what, peers=",".join(peers)))
+        which = f" ({', '.join(peers)})" if downstream.kind in (Kind.USER, Kind.PEER) else ""
         return status_reply(
-            503, f"{what} is served only by peers that are unreachable now "
-                 f"({', '.join(peers)}); retry later",
+            503, f"{what} is served only by peers that are unreachable now{which}; "
+                 "retry later",
             headers={"Retry-After": str(self.retry_after)})
 
     async def _openapi_index(self, exchange: Exchange, downstream: Downstream) -> None:

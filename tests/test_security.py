@@ -275,7 +275,8 @@ async def test_without_credentials_what_only_peers_serve_is_answered_by_the_back
 async def test_without_credentials_unreachable_peers_are_not_a_503(aiohttp_server, root):
     """The 503 "served only by peers that are unreachable" names what peers serve: a
     request without credentials gets the backend's answer instead, while one with a
-    token still gets the 503 (mvproxy cannot tell a junk token from a real one)."""
+    token still gets the 503 (mvproxy cannot tell a junk token from a real one), which
+    names the peers only to a client with a verified certificate."""
     async with cluster(aiohttp_server, root) as c:
         await ready(c)
         c.health["discovery"] = False  # the peer's polls fail: unreachable after staleAfter
@@ -285,9 +286,11 @@ async def test_without_credentials_unreachable_peers_are_not_a_503(aiohttp_serve
         await c.until(peer_down, "the peer marked unreachable")
         for path in PEER_ONLY.values():
             assert await _anonymous(c, path) == await _anonymous(c, NOBODY), path
-            status, _, _ = await c.get(path, who="bearer",
-                                       headers={"Authorization": "Bearer junk"})
+            status, _, body = await c.get(path, who="bearer",
+                                          headers={"Authorization": "Bearer junk"})
             assert status == 503
+            assert b"served only by peers that are unreachable now" in body
+            assert PEER_ID.encode() not in body  # a token mvproxy cannot check: no names
         assert c.seen["peer"] == []
         assert await c.metric("apiserver_peer_proxy_errors_total",
                               type="endpoint_resolution", resource="podgroups") == 1
