@@ -47,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -627,3 +628,97 @@ def _render(view: CacheView, negotiated: discovery.Negotiated, path: str) -> byt
     if path == "/api":
         return discovery.render_api_versions(groups)
     return discovery.render_api_group_list(groups)
+
+
+# --------------------------------------------------------------------------- large answers
+# A merged OpenAPI v3 document (``handlers.Proxy._openapi_document``) is megabytes.
+# Handed to the connection whole, it sat in the TLS layer, encrypted, for as long as
+# its client did not read, and one was built per request: every connection allowed to
+# read OpenAPI could pin a copy. Now one document is built per set of inputs and shared
+# by every request that would get the same bytes, and it is written a piece at a time,
+# each once the client has read the one before (tests/test_openapi_memory.py).
+
+PIECE = 16 * 1024
+"""Bytes of a large answer handed to the connection at once (one TLS record): a client
+that stops reading holds about two pieces in its TLS layer, not the document."""
+SHARED_KEEP = 4
+"""Shared documents kept after their last request ended, newest first (per cache
+generation); those being written are found again as long as any request holds them."""
+SHARED_KEEP_BYTES = 64 * 1024 * 1024
+"""Bytes those kept documents may add up to (one may be larger: it is kept alone)."""
+
+
+class SharedDocument:
+    """One built document, its bytes and ETag, shared by every request that would
+    produce the same bytes."""
+
+    __slots__ = ("__weakref__", "body", "etag")
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.etag = discovery.etag(body)
+
+
+class SharedDocuments:
+    """Documents by what they are built from (``key``: every input of the build, so a
+    hit is the bytes a build would give), for one cache generation at a time: those a
+    request still holds (weakly referenced, so a stalled client never costs a second
+    copy) and the ``SHARED_KEEP`` most recent."""
+
+    __slots__ = ("_alive", "_generation", "_kept")
+
+    def __init__(self) -> None:
+        self._alive: weakref.WeakValueDictionary[Hashable, SharedDocument] = \
+            weakref.WeakValueDictionary()
+        self._kept: OrderedDict[Hashable, SharedDocument] = OrderedDict()
+        self._generation = -1
+
+    def get(self, generation: int, key: Hashable,
+            build: Callable[[], bytes]) -> SharedDocument:
+        """The document of ``key`` in ``generation``, built by ``build`` unless a request
+        holds it or it is kept."""
+        if generation != self._generation:  # new inputs from the cache: start afresh
+            self._generation = generation
+            self._alive = weakref.WeakValueDictionary()
+            self._kept.clear()
+        document = self._alive.get(key)
+        if document is None:
+            document = self._alive[key] = SharedDocument(build())
+        self._kept[key] = document
+        self._kept.move_to_end(key)
+        size = sum(len(kept.body) for kept in self._kept.values())
+        while len(self._kept) > 1 and (len(self._kept) > SHARED_KEEP
+                                       or size > SHARED_KEEP_BYTES):
+            _, dropped = self._kept.popitem(last=False)
+            size -= len(dropped.body)
+        return document
+
+
+async def respond_in_pieces(exchange: Exchange, status: int, fields: wire.Fields,
+                            body: bytes) -> None:
+    """``exchange.respond`` for a body that may be large: ``PIECE`` bytes at a time,
+    the next only once the connection is writable again, so a client that stops reading
+    holds a piece in the TLS layer, never the whole answer. The connection ending
+    stops it (the listener closes it then: the answer is cut, never completed wrongly)."""
+    if len(body) <= PIECE or exchange.method == "HEAD":
+        exchange.respond(status, fields, body)
+        return
+    exchange.start(status, [*fields, ("Content-Length", str(len(body)))], hold=True)
+    conn = exchange.conn
+    for start in range(0, len(body), PIECE):
+        if conn.paused_writing:
+            await _writable(exchange)
+        if conn.ended:
+            return
+        exchange.write(body[start:start + PIECE], end=start + PIECE >= len(body))
+
+
+async def _writable(exchange: Exchange) -> None:
+    """Until ``exchange``'s connection takes writes again (or ends)."""
+    waiter = exchange.conn.loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+    exchange.conn.when_writable(wake)
+    await waiter
