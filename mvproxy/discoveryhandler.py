@@ -27,6 +27,7 @@ backend gives for that request and tells nobody which groups peers serve. Only
 groups of the merged view get that far. A yes is remembered for ``AUTHORIZED_TTL``
 per set of credentials and path (kube-apiserver itself caches a successful token
 authentication for 10 s), by a hash, never the credentials themselves; a no never is.
+One credential holds at most ``AUTHORIZED_PER_CREDENTIAL`` of them (``AuthorizedMemo``).
 
 The common request (a client polling ``/apis`` with the same Accept on a connection
 already said yes to) is answered by callbacks from the listener's entry point, without
@@ -46,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -62,7 +64,7 @@ from mvproxy.errors import (
     UpstreamUnreachable,
 )
 from mvproxy.forwarding import ForwardError
-from mvproxy.identity import has_credentials
+from mvproxy.identity import USER, has_credentials
 from mvproxy.kubestatus import status_reply, upstream_failure
 from mvproxy.listener import Exchange
 from mvproxy.live import LiveSettings
@@ -77,7 +79,14 @@ log = logging.getLogger(__name__)
 AUTHORIZED_TTL = 10.0
 """Seconds a backend's yes to a discovery probe is reused for the same credentials."""
 AUTHORIZED_MAX = 10_000
-"""Credential sets remembered at most (oldest forgotten first)."""
+"""Yeses remembered at most, (credentials, path) each (oldest forgotten first)."""
+AUTHORIZED_PER_CREDENTIAL = 128
+"""Yeses one credential may hold at most (its own oldest forgotten first): what
+kube-apiserver authenticates of a request is less than the memo's key (it reads
+``Bearer <token> <anything>`` as ``<token>`` and ignores other ``Authorization-*``
+lines), so one token could otherwise mint entries until every other client's yes is
+pushed out. 128 covers ``/api``, ``/apis`` and ``/apis/<g>`` of every group a cluster
+lists, in a few spellings; at most half of ``AUTHORIZED_MAX``."""
 MEMO_MAX_BYTES = 16 * 1024
 """Credentials larger than this are hashed on every request rather than remembered
 (a token is a few KiB; the head limit allows a MiB per request)."""
@@ -137,6 +146,82 @@ class CredentialsMemo:
         return len(self._by_connection)
 
 
+def credential_of(exchange: Exchange, credentials: tuple[bytes, ...]) -> bytes:
+    """A hash of what kube-apiserver authenticates ``exchange`` by, whatever else its
+    credential lines say: for a certificate user, the identity mvproxy asserts (kube
+    reads the front-proxy headers first and the token not at all); else the bearer
+    token as kube's token authenticator reads the first ``Authorization`` value
+    (trimmed, ``<scheme> <token>[ <ignored>]``, the scheme ``bearer`` in any case), or
+    nothing (an anonymous request, however it is spelt). ``Impersonate-*`` lines are
+    not in it: an impersonator's yeses count as its own."""
+    downstream = exchange.downstream
+    digest = hashlib.sha256(repr((downstream.kind, downstream.user,
+                                  downstream.groups)).encode())
+    if downstream.kind == USER:
+        return digest.digest()
+    for line in credentials:
+        if line.startswith(_AUTHORIZATION_LINE):
+            parts = line[len(_AUTHORIZATION_LINE):].strip().split(b" ", 2)
+            if len(parts) > 1 and parts[0].lower() == b"bearer" and parts[1]:
+                digest.update(b"\0" + parts[1])
+            break
+    return digest.digest()
+
+
+_AUTHORIZATION_LINE = b"authorization\0"
+
+
+class AuthorizedMemo:
+    """The backend's yeses to discovery probes: per (credentials key, path), until when
+    it holds. At most ``max_entries`` in all, oldest forgotten first, and at most
+    ``per_credential`` for one credential (``credential_of``), its own oldest
+    forgotten first, so no client's yeses can be pushed out by another's flood unless
+    the memo is full of distinct credentials the backend said yes to."""
+
+    __slots__ = ("_by_credential", "_entries", "_max", "_share")
+
+    def __init__(self, max_entries: int | None = None, per_credential: int | None = None):
+        self._max = AUTHORIZED_MAX if max_entries is None else max_entries
+        share = AUTHORIZED_PER_CREDENTIAL if per_credential is None else per_credential
+        self._share = max(1, min(share, self._max // 2))
+        self._entries: OrderedDict[tuple[bytes, str], tuple[float, bytes]] = OrderedDict()
+        self._by_credential: dict[bytes, OrderedDict[tuple[bytes, str], None]] = {}
+
+    def until(self, key: tuple[bytes, str]) -> float:
+        """When the yes for ``key`` (credentials key, path) ends; 0.0 if there is none."""
+        entry = self._entries.get(key)
+        return 0.0 if entry is None else entry[0]
+
+    def remember(self, key: tuple[bytes, str], credential: bytes, until: float) -> None:
+        self._forget(key)
+        self._entries[key] = (until, credential)
+        own = self._by_credential.setdefault(credential, OrderedDict())
+        own[key] = None
+        while len(own) > self._share:
+            self._forget(next(iter(own)))
+        while len(self._entries) > self._max:
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, key: tuple[bytes, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        own = self._by_credential[entry[1]]
+        del own[key]
+        if not own:
+            del self._by_credential[entry[1]]
+
+    def held_by(self, credential: bytes) -> int:
+        """How many yeses ``credential`` holds now."""
+        return len(self._by_credential.get(credential, ()))
+
+    def __iter__(self) -> Iterator[tuple[bytes, str]]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 @dataclass
 class DiscoveryHandler:
     cache: DiscoveryCache
@@ -148,7 +233,7 @@ class DiscoveryHandler:
     peers: Callable[[], Mapping[str, Upstream]] = dict
     """The current peers (to authorize at one while the backend is down)."""
     _probe_etags: dict[str, str] = field(default_factory=dict)
-    _authorized: OrderedDict[tuple[bytes, str], float] = field(default_factory=OrderedDict)
+    _authorized: AuthorizedMemo = field(default_factory=AuthorizedMemo)
     credentials: CredentialsMemo = field(default_factory=CredentialsMemo)
     clock: Callable[[], float] = time.monotonic
     _prepared: dict[tuple[str, bytes | None], Prepared] = field(default_factory=dict)
@@ -179,7 +264,7 @@ class DiscoveryHandler:
             if not _answerable(view, path):
                 return False
         key = self.credentials.key_of(exchange, scanned.credentials)
-        if self._authorized.get((key, path), 0.0) <= self.clock():
+        if self._authorized.until((key, path)) <= self.clock():
             return False
         if prepared is None:
             self._merged(exchange, view, negotiated, path, prepare=True)
@@ -334,7 +419,7 @@ class DiscoveryHandler:
                                                 max_bytes=self.live.max_document_bytes)
         except UpstreamError as exc:
             if not isinstance(exc, UpstreamTimeout) or \
-                    self._authorized.get((self.credentials.key(exchange), path), 0.0) \
+                    self._authorized.until((self.credentials.key(exchange), path)) \
                     > self.clock():
                 # Down or broken, or a yes within AUTHORIZED_TTL: authorized as for v2
                 # (a peer may say yes); legacy is always served.
@@ -374,7 +459,7 @@ class DiscoveryHandler:
         list, not by what clients send)."""
         key = (self.credentials.key(exchange), path)
         now = self.clock()
-        if self._authorized.get(key, 0.0) > now:
+        if self._authorized.until(key) > now:
             return True
         headers = forwarding.headers_for(exchange, to_peer=False)
         top_level = path in _TOP_LEVEL
@@ -405,10 +490,8 @@ class DiscoveryHandler:
             self._probe_etags[path] = answer.headers["ETag"]
         # A 404 for a group: authorized, the backend just does not serve it (peers do).
         if answer.status in (200, 304) or answer.status == 404 and not top_level:
-            self._authorized[key] = now + AUTHORIZED_TTL
-            self._authorized.move_to_end(key)
-            while len(self._authorized) > AUTHORIZED_MAX:
-                self._authorized.popitem(last=False)
+            credential = credential_of(exchange, _scanned(exchange.raw).credentials)
+            self._authorized.remember(key, credential, now + AUTHORIZED_TTL)
             return True
         # The backend's refusal with its own fields, as if it had been forwarded.
         exchange.respond(answer.status,
@@ -545,3 +628,97 @@ def _render(view: CacheView, negotiated: discovery.Negotiated, path: str) -> byt
     if path == "/api":
         return discovery.render_api_versions(groups)
     return discovery.render_api_group_list(groups)
+
+
+# --------------------------------------------------------------------------- large answers
+# A merged OpenAPI v3 document (``handlers.Proxy._openapi_document``) is megabytes.
+# Handed to the connection whole, it sat in the TLS layer, encrypted, for as long as
+# its client did not read, and one was built per request: every connection allowed to
+# read OpenAPI could pin a copy. Now one document is built per set of inputs and shared
+# by every request that would get the same bytes, and it is written a piece at a time,
+# each once the client has read the one before (tests/test_openapi_memory.py).
+
+PIECE = 16 * 1024
+"""Bytes of a large answer handed to the connection at once (one TLS record): a client
+that stops reading holds about two pieces in its TLS layer, not the document."""
+SHARED_KEEP = 4
+"""Shared documents kept after their last request ended, newest first (per cache
+generation); those being written are found again as long as any request holds them."""
+SHARED_KEEP_BYTES = 64 * 1024 * 1024
+"""Bytes those kept documents may add up to (one may be larger: it is kept alone)."""
+
+
+class SharedDocument:
+    """One built document, its bytes and ETag, shared by every request that would
+    produce the same bytes."""
+
+    __slots__ = ("__weakref__", "body", "etag")
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.etag = discovery.etag(body)
+
+
+class SharedDocuments:
+    """Documents by what they are built from (``key``: every input of the build, so a
+    hit is the bytes a build would give), for one cache generation at a time: those a
+    request still holds (weakly referenced, so a stalled client never costs a second
+    copy) and the ``SHARED_KEEP`` most recent."""
+
+    __slots__ = ("_alive", "_generation", "_kept")
+
+    def __init__(self) -> None:
+        self._alive: weakref.WeakValueDictionary[Hashable, SharedDocument] = \
+            weakref.WeakValueDictionary()
+        self._kept: OrderedDict[Hashable, SharedDocument] = OrderedDict()
+        self._generation = -1
+
+    def get(self, generation: int, key: Hashable,
+            build: Callable[[], bytes]) -> SharedDocument:
+        """The document of ``key`` in ``generation``, built by ``build`` unless a request
+        holds it or it is kept."""
+        if generation != self._generation:  # new inputs from the cache: start afresh
+            self._generation = generation
+            self._alive = weakref.WeakValueDictionary()
+            self._kept.clear()
+        document = self._alive.get(key)
+        if document is None:
+            document = self._alive[key] = SharedDocument(build())
+        self._kept[key] = document
+        self._kept.move_to_end(key)
+        size = sum(len(kept.body) for kept in self._kept.values())
+        while len(self._kept) > 1 and (len(self._kept) > SHARED_KEEP
+                                       or size > SHARED_KEEP_BYTES):
+            _, dropped = self._kept.popitem(last=False)
+            size -= len(dropped.body)
+        return document
+
+
+async def respond_in_pieces(exchange: Exchange, status: int, fields: wire.Fields,
+                            body: bytes) -> None:
+    """``exchange.respond`` for a body that may be large: ``PIECE`` bytes at a time,
+    the next only once the connection is writable again, so a client that stops reading
+    holds a piece in the TLS layer, never the whole answer. The connection ending
+    stops it (the listener closes it then: the answer is cut, never completed wrongly)."""
+    if len(body) <= PIECE or exchange.method == "HEAD":
+        exchange.respond(status, fields, body)
+        return
+    exchange.start(status, [*fields, ("Content-Length", str(len(body)))], hold=True)
+    conn = exchange.conn
+    for start in range(0, len(body), PIECE):
+        if conn.paused_writing:
+            await _writable(exchange)
+        if conn.ended:
+            return
+        exchange.write(body[start:start + PIECE], end=start + PIECE >= len(body))
+
+
+async def _writable(exchange: Exchange) -> None:
+    """Until ``exchange``'s connection takes writes again (or ends)."""
+    waiter = exchange.conn.loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+    exchange.conn.when_writable(wake)
+    await waiter

@@ -14,6 +14,7 @@ listener.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import random
 import time
@@ -27,7 +28,7 @@ from prometheus_client import Gauge, Histogram
 
 from mvproxy import discovery, failover, forwarding, openapi, routing
 from mvproxy.cache import DiscoveryCache
-from mvproxy.discoveryhandler import DiscoveryHandler
+from mvproxy.discoveryhandler import DiscoveryHandler, SharedDocuments, respond_in_pieces
 from mvproxy.errors import (
     UpstreamError,
 )
@@ -37,7 +38,7 @@ from mvproxy.listener import DownstreamConnection, Exchange, run_in_task
 from mvproxy.logs import V, kv, throttled
 from mvproxy.metrics import Metrics
 from mvproxy.requestinfo import RequestInfo, is_long_running, parse_request_info
-from mvproxy.transport import Transport, Upstream
+from mvproxy.transport import Fetched, Transport, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Proxy:
     rng: random.Random
     _by_route: dict[str, tuple[Gauge, Histogram]] = field(default_factory=dict)
     """Per route: the in-flight gauge and duration histogram children, resolved once."""
+    openapi_documents: SharedDocuments = field(default_factory=SharedDocuments)
+    """Merged OpenAPI documents, one per set of inputs, shared by the requests for it."""
 
     @property
     def retry_after(self) -> int:
@@ -233,7 +236,12 @@ class Proxy:
         credentials, without the hash, which names the backend's own) plus, from the
         first of ``peers`` that answers, the paths and schemas only peers have
         (``openapi.merge_document``). A refusal, or no peer answering: the backend's
-        answer alone (a client that takes no JSON is forwarded: ``handle``)."""
+        answer alone (a client that takes no JSON is forwarded: ``handle``).
+
+        Megabytes each: one document per set of inputs is shared by every request for
+        it, and written a piece at a time as the client reads
+        (``discoveryhandler.respond_in_pieces``), so clients that stop reading do not
+        each pin a copy."""
         group, version = routing.group_version_path(
             request_info(exchange.method, exchange.path, "")[0]) or ("", "")
 
@@ -246,22 +254,28 @@ class Proxy:
 
         headers = asked(False)
         try:
-            own = await self.transport.fetch(self.backend.for_headers(headers), exchange.path,
-                                             headers=headers,
-                                             timeout=self.transport.request_timeout,
-                                             max_bytes=OPENAPI_DOCUMENT_MAX_BYTES)
+            own: Fetched | None = await self.transport.fetch(
+                self.backend.for_headers(headers), exchange.path, headers=headers,
+                timeout=self.transport.request_timeout, max_bytes=OPENAPI_DOCUMENT_MAX_BYTES)
         except UpstreamError as exc:
             throttled.warning(log, "backend openapi request failed", error=str(exc)[:300])
             reply(exchange, upstream_failure(exc, "the backend API server", self.retry_after,
                                              idempotent=True))
             return
+        assert own is not None
         if own.status != 200:
             exchange.respond(own.status, forwarding.response_headers(list(own.headers.items())),
                              own.body)
             return
+        fields = [(name, value) for name, value in own.headers.items()
+                  if name.lower() in ("audit-id", "x-content-type-options")]
+        own_body = own.body
+        own = None
+        view = self.cache.view()
         peer_only = {(*e["name"].split("/", 1), "")[:2]
-                     for e in self.cache.view().peer_only_resources(group, version)}
-        body = own.body
+                     for e in view.peer_only_resources(group, version)}
+        their_body = b""
+        theirs: Fetched | None = None
         upstreams = self.peers()
         for peer_id in peers:
             upstream = upstreams.get(peer_id)
@@ -277,18 +291,28 @@ class Proxy:
                     peer=peer_id, error=str(exc)[:300]))
                 continue
             if theirs.status == 200:
-                body = openapi.merge_document(own.body, theirs.body, group, version,
-                                              peer_only) or own.body
+                their_body = theirs.body
                 break
-        tag = discovery.etag(body)
-        fields = [(name, value) for name, value in own.headers.items()
-                  if name.lower() in ("audit-id", "x-content-type-options")]
-        fields += [("Content-Type", "application/json"), ("ETag", tag), ("Vary", "Accept"),
-                   ("Cache-Control", "no-cache, private")]
-        if exchange.headers.get("If-None-Match") == tag:
+        theirs = None
+
+        def merged() -> bytes:
+            if not their_body:
+                return own_body
+            return openapi.merge_document(own_body, their_body, group, version,
+                                          peer_only) or own_body
+
+        # Every input of the merge is in the key (the view's generation stands for
+        # ``peer_only``): requests that would build the same bytes share one document.
+        key = (group, version, hashlib.sha256(own_body).digest(),
+               hashlib.sha256(their_body).digest() if their_body else b"")
+        document = self.openapi_documents.get(view.generation, key, merged)
+        own_body = their_body = b""  # the document alone is held while it is written
+        fields += [("Content-Type", "application/json"), ("ETag", document.etag),
+                   ("Vary", "Accept"), ("Cache-Control", "no-cache, private")]
+        if exchange.headers.get("If-None-Match") == document.etag:
             exchange.respond(304, fields)
             return
-        exchange.respond(200, fields, body)
+        await respond_in_pieces(exchange, 200, fields, document.body)
 
 
 def _finished(forward: forwarding.Forward, cancelled: bool) -> None:

@@ -39,7 +39,7 @@ from daemon_support import (
 )
 from pki_support import issue
 
-from mvproxy import devpki, discoveryhandler, tls
+from mvproxy import devpki, discoveryhandler, identity, tls
 from mvproxy.errors import UpstreamProtocolError
 from mvproxy.listener import DownstreamConnection
 
@@ -849,15 +849,12 @@ async def test_a_v2beta1_question_the_backend_answers_late_is_not_asked_twice(
         assert asked == ["Bearer alpha"]
 
 
-@pytest.mark.xfail(strict=True, reason="the yes memo is keyed by the credential lines as "
-                   "sent, and kube-apiserver reads 'Bearer <token> <anything>' as <token>: "
-                   "one token mints any number of entries; a per-token or per-connection "
-                   "share of AUTHORIZED_MAX would be the fix")
 async def test_one_token_cannot_push_other_clients_out_of_the_discovery_memo(
         aiohttp_server, root, monkeypatch):
     """A client with one valid token that varies what kube-apiserver ignores in its
-    credentials ('Bearer <token> <n>') fills the memo of backend yeses and so pushes
-    every other client's out: each of their discovery requests then costs a probe."""
+    credentials ('Bearer <token> <n>') would fill the memo of backend yeses and push
+    every other client's out, each of their discovery requests then costing a probe:
+    it holds only its share, and the other client's yes is still used."""
     monkeypatch.setattr(discoveryhandler, "AUTHORIZED_MAX", 4)  # 10,000 in production
 
     async def ask(authorization: str) -> None:
@@ -873,6 +870,88 @@ async def test_one_token_cannot_push_other_clients_out_of_the_discovery_memo(
             await ask(f"Bearer attacker {n}")
         await ask("Bearer victim")
         assert probes(c).count("Bearer victim") == 1
+
+
+async def test_a_flood_from_one_credential_leaves_others_yeses_and_the_memo_bounded(
+        aiohttp_server, root, monkeypatch):
+    """Every spelling of one token kube-apiserver reads as that token (a tail after it,
+    the scheme in another case, spaces around it, ``Authorization-*`` lines beside it),
+    and a certificate user sending any tokens at all, count as one credential each: the
+    victim's yes outlives both floods, each flooder holds at most its share, and the
+    memo never exceeds its cap."""
+    monkeypatch.setattr(discoveryhandler, "AUTHORIZED_MAX", 6)
+    monkeypatch.setattr(discoveryhandler, "AUTHORIZED_PER_CREDENTIAL", 2)
+
+    async def ask(authorization: str, who: str = "bearer", extra: str = "") -> None:
+        answer = await c.raw(request("/apis", headers=f"Accept: {AGGREGATED}\r\n"
+                                                      f"Authorization: {authorization}\r\n"
+                                                      f"{extra}"), who=who)
+        assert status_of(answer) == 200
+
+    async with cluster(aiohttp_server, root) as c:
+        await ready(c)
+        memo = c.daemon.proxy.discovery._authorized
+        await ask("Bearer victim")
+        for n in range(12):
+            await ask(f"Bearer flood {n}")
+            await ask(f"bEaReR flood{' ' * (n + 1)}", extra=f"Authorization-X: {n}\r\n")
+            await ask(f"Bearer flood-as-admin-{n}", who="admin")
+            assert len(memo) <= 1 + 2 + 2  # the victim's, and each flooder's share
+        await ask("Bearer victim")
+        assert probes(c).count("Bearer victim") == 1
+        assert len([auth for auth in probes(c) if "flood" in auth]) == 36  # none reused
+        # Distinct tokens are distinct credentials: the cap still bounds them all.
+        for n in range(6):
+            await ask(f"Bearer other-{n}")
+            assert len(memo) <= 6
+
+
+@pytest.mark.parametrize(("lines", "same_as_token"), [
+    ((b"authorization\0Bearer tok",), True),
+    ((b"authorization\0bearer tok ignored tail",), True),
+    ((b"authorization\0  BEARER tok  ", b"authorization-x\0n"), True),
+    ((b"authorization\0Bearer tok", b"impersonate-user\0someone"), True),
+    ((b"authorization\0Bearer tok", b"authorization\0Bearer second"), True),
+    ((b"authorization\0Bearer tok2",), False),
+    ((b"authorization\0Bearer  tok",), False),  # kube reads an empty token: anonymous
+    ((b"authorization\0Basic tok",), False),
+])
+def test_a_credential_is_what_kube_apiserver_authenticates(lines, same_as_token):
+    """kube's token authenticator: the first ``Authorization`` value, trimmed, split on
+    spaces into at most three, scheme ``bearer`` in any case, token the second part."""
+    anonymous = type("Exchange", (), {"downstream": identity.ANONYMOUS_DOWNSTREAM})
+    token = discoveryhandler.credential_of(anonymous, (b"authorization\0Bearer tok",))
+    assert (discoveryhandler.credential_of(anonymous, lines) == token) is same_as_token
+    nothing = discoveryhandler.credential_of(anonymous, ())
+    assert discoveryhandler.credential_of(anonymous, (b"authorization\0Basic tok",)) == nothing
+
+
+def test_a_certificate_users_credential_is_its_identity_whatever_it_sends():
+    admin = type("Exchange", (), {"downstream": identity.user_downstream(
+        "admin", ("system:masters",))})
+    other = type("Exchange", (), {"downstream": identity.user_downstream("other", ())})
+    first = discoveryhandler.credential_of(admin, (b"authorization\0Bearer a",))
+    assert discoveryhandler.credential_of(admin, (b"authorization\0Bearer b",)) == first
+    assert discoveryhandler.credential_of(admin, ()) == first
+    assert discoveryhandler.credential_of(other, ()) != first
+
+
+def test_the_yes_memo_keeps_each_credentials_share_and_the_total_cap():
+    memo = discoveryhandler.AuthorizedMemo(max_entries=6, per_credential=2)
+    memo.remember((b"victim", "/apis"), b"v", 10.0)
+    for n in range(20):
+        memo.remember((f"flood {n}".encode(), "/apis"), b"f", 10.0)
+        assert memo.held_by(b"f") <= 2 and len(memo) <= 3
+    assert memo.until((b"victim", "/apis")) == 10.0
+    assert memo.until((b"flood 19", "/apis")) == 10.0  # its newest kept, its oldest gone
+    assert memo.until((b"flood 0", "/apis")) == 0.0
+    for n in range(20):  # distinct credentials: the oldest of all goes first
+        memo.remember((f"other {n}".encode(), "/apis"), f"o{n}".encode(), 10.0)
+        assert len(memo) <= 6
+    assert memo.until((b"victim", "/apis")) == 0.0 and memo.held_by(b"v") == 0
+    assert sorted(memo) == [(f"other {n}".encode(), "/apis") for n in range(14, 20)]
+    memo.remember((b"other 19", "/apis"), b"o19", 20.0)  # renewed in place
+    assert memo.until((b"other 19", "/apis")) == 20.0 and len(memo) == 6
 
 
 async def test_a_discovery_yes_for_one_identity_is_not_reused_for_another_with_its_token(
