@@ -385,6 +385,13 @@ class Forward:
             self.dial = None
             self._guarded(self._failed, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - reported by the listener
+            # A bug met while dialling: nobody awaits this task, so unanswered here the
+            # request would hang in flight until the client left.
+            self.dial = None
+            self.failure = exc
+            self.finish()
+            return
         self.dial = None
         if self.ended:
             pool.release(conn)
