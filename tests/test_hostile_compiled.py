@@ -18,8 +18,10 @@ import json
 import logging
 import re
 import socket
+import ssl
 
 import pytest
+from aiohttp import web
 from daemon_support import PODGROUPS, WAIT, Cluster, cluster, synced
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -264,3 +266,40 @@ async def test_a_failure_while_dialling_is_answered_and_ends_the_request(
         monkeypatch.undo()
         caplog.clear()  # the failure itself is logged at ERROR, as it should be
         await healthy(c, caplog, "a failure while dialling")
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def test_a_client_leaving_a_task_answer_cancels_its_upstream_read(aiohttp_server, root,
+                                                                        caplog):
+    """The OpenAPI index is answered by a task (compiled coroutines: ``handlers``,
+    ``transport.fetch`` inside ``asyncio.timeout``): a client that leaves while the
+    backend has not answered cancels it, and the cancellation ends the request (not in
+    flight any more) and discards the upstream connection it held (none stays busy)."""
+    caplog.set_level(logging.WARNING)
+    asked = asyncio.Event()
+
+    async def stalled(request: web.Request) -> web.Response:
+        asked.set()
+        await asyncio.sleep(WAIT)
+        return web.json_response({})
+
+    def routes(app: web.Application) -> None:
+        app.router.add_get("/openapi/v3", stalled)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        for _ in range(3):
+            asked.clear()
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", c.port, ssl=c.contexts["bearer"], server_hostname="127.0.0.1")
+            writer.write(b"GET /openapi/v3 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer x\r\n\r\n")
+            async with asyncio.timeout(WAIT):
+                await asked.wait()
+            assert not await _quiet(c)  # in flight while the backend is asked
+            writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                await writer.wait_closed()
+            await healthy(c, caplog, "a client that left its OpenAPI index")
