@@ -26,6 +26,7 @@ from daemon_support import PODGROUPS, WAIT, Cluster, cluster, synced
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from test_security import client_cert_context
 
 import mvproxy.transport
 from mvproxy import compiled
@@ -303,3 +304,38 @@ async def test_a_client_leaving_a_task_answer_cancels_its_upstream_read(aiohttp_
             with contextlib.suppress(ConnectionError, ssl.SSLError):
                 await writer.wait_closed()
             await healthy(c, caplog, "a client that left its OpenAPI index")
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+@pytest.mark.parametrize(("cns", "orgs", "ca", "status", "user"), [
+    ((), ("system:masters",), "ca", 200, None),  # no CN: anonymous, its O claims nothing
+    ((), (), "front-proxy-ca", 200, None),  # the peer CA, no CN: no peer
+    (("ユーザー",), (), "ca", 401, None),  # not Latin-1: cannot be sent as a header
+    (("admin ",), (), "ca", 401, None),  # the backend would trim it to another name
+    (("a\u0085b",), ("g\u00a0",), "ca", 200, "a\u0085b"),  # Latin-1, sent byte for byte
+])
+async def test_client_certificates_without_the_expected_fields(aiohttp_server, root, tmp_path,
+                                                                caplog, cns, orgs, ca, status,
+                                                                user):
+    """What the connection's identity becomes (``connection_made`` resolves it) for
+    certificates the CA may issue without a usable subject: the client's own identity
+    claims never pass, and the daemon stays healthy."""
+    caplog.set_level(logging.WARNING)
+    async with cluster(aiohttp_server, root) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        c.contexts["odd"] = client_cert_context(root, tmp_path, *cns, ca=ca, orgs=orgs)
+        answer = await c.raw(b"GET /api/v1/namespaces HTTP/1.1\r\nHost: x\r\n"
+                             b"X-Remote-User: system:admin\r\nConnection: close\r\n\r\n",
+                             who="odd")
+        assert statuses(answer) == [status], answer[:300]
+        if status == 200:
+            echoed = json.loads(answer.partition(b"\r\n\r\n")[2])
+            sent = [v for k, v in echoed["headers"] if k.lower() == "x-remote-user"]
+            assert sent == ([] if user is None else
+                            [user.encode("latin-1").decode("utf-8", "surrogateescape")])
+        else:
+            assert mvproxy_status(answer)["code"] == status
+        await healthy(c, caplog, cns)
