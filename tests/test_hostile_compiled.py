@@ -339,3 +339,34 @@ async def test_client_certificates_without_the_expected_fields(aiohttp_server, r
         else:
             assert mvproxy_status(answer)["code"] == status
         await healthy(c, caplog, cns)
+
+
+# --------------------------------------------------------------------------- upstream answers
+
+
+async def test_a_101_to_a_request_that_asked_no_upgrade_is_a_broken_response(
+        aiohttp_server, root, caplog):
+    """An upstream that switches protocols for a plain GET: the client gets a 502
+    ``Status``, not a ``101`` it never asked for; before, the 101 was relayed and the
+    listener's state check then raised inside the upstream's protocol callback (asyncio
+    logged "Fatal error on SSL protocol")."""
+    caplog.set_level(logging.WARNING)
+
+    async def switch(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=101, headers={"Upgrade": "websocket",
+                                                           "Connection": "Upgrade"})
+        await response.prepare(request)
+        await response.write(b"another protocol")
+        return response
+
+    def routes(app: web.Application) -> None:
+        app.router.add_get("/switch", switch)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes) as c:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the first complete sync")
+        answer = await c.raw(b"GET /switch HTTP/1.1\r\nHost: x\r\n\r\n", who="bearer")
+        assert statuses(answer) == [502], answer[:300]
+        assert "broken response" in mvproxy_status(answer)["message"]
+        assert b"another protocol" not in answer
+        await healthy(c, caplog, "a 101 unasked")
