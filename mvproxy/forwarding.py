@@ -385,6 +385,13 @@ class Forward:
             self.dial = None
             self._guarded(self._failed, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - reported by the listener
+            # A bug met while dialling: nobody awaits this task, so unanswered here the
+            # request would hang in flight until the client left.
+            self.dial = None
+            self.failure = exc
+            self.finish()
+            return
         self.dial = None
         if self.ended:
             pool.release(conn)
@@ -692,7 +699,13 @@ class _Relay:
                 self._head(refused)
                 return
         if status == 101:
-            return  # on_upgrade follows
+            if not self.exchange.upgrade:
+                # Relayed, it would tell the client its connection switched protocols
+                # when it asked for no such thing (and the listener has no tunnel state
+                # to enter from there): a broken response.
+                self._head(UpstreamProtocolError(self.conn.upstream.name,
+                                                 "switched protocols unasked (101)"))
+            return  # else on_upgrade follows
         dropped = RESPONSE_DROPPED
         if b"connection" in lowered:  # every Connection field names fields to drop
             dropped = dropped | wire.raw_connection_tokens(raw, lowered)

@@ -483,9 +483,13 @@ class Pool:
         if upstream.is_peer:
             ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport else None
             der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
-            problem = (peer_serving_problem(der, upstream.name,
-                                            must_name=upstream.must_name_itself)
-                       if der else "it presented no certificate")
+            try:
+                problem = (peer_serving_problem(der, upstream.name,
+                                                must_name=upstream.must_name_itself)
+                           if der else "it presented no certificate")
+            except Exception:
+                conn.abort()  # never pooled: nothing else would close it
+                raise
             if problem:
                 conn.abort()
                 raise UpstreamConnectError(upstream.name, f"not a peer: {problem}")
