@@ -53,8 +53,8 @@ async def main(root: Path) -> None:
             for data, read in SCENARIOS.values():
                 await send(c.port, c.contexts["admin"], data, read=read)
             stalled = asyncio.create_task(send(c.port, c.contexts["admin"], request(FLOOD),
-                                               read=False, read_for=12.0))
-            for _ in range(200):  # stalled once the kernel's buffers are full (≤ 10 s)
+                                               read=False, read_for=30.0))
+            for _ in range(500):  # stalled once the kernel's buffers are full (≤ 25 s)
                 up = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
                 if up:
                     break
