@@ -191,14 +191,20 @@ def watch_event(n: int) -> bytes:
 # --------------------------------------------------------------------------- the two sides
 
 
+def _connection(lib: ModuleType, *, client_side: bool, go_like: bool, lean: bool):
+    """One side's ``H2Connection``: ``go_like`` indexes headers as Go does (no
+    normalisation), ``lean`` also turns the library's outbound checks off."""
+    config = lib.config.H2Configuration(client_side=client_side,
+                                        normalize_outbound_headers=not (go_like or lean),
+                                        validate_outbound_headers=not lean)
+    return lib.connection.H2Connection(config=config)
+
+
 class Server:
     """mvproxy's downstream leg (or, recording, kube-apiserver): answers each request."""
 
     def __init__(self, lib: ModuleType, go_like: bool, body: bytes, lean: bool = False) -> None:
-        config = lib.config.H2Configuration(client_side=False,
-                                            normalize_outbound_headers=not (go_like or lean),
-                                            validate_outbound_headers=not lean)
-        self.conn = lib.connection.H2Connection(config=config)
+        self.conn = _connection(lib, client_side=False, go_like=go_like, lean=lean)
         self.events = lib.events
         self.body = body
         self.answered = 0
@@ -219,10 +225,7 @@ class Client:
 
     def __init__(self, lib: ModuleType, go_like: bool, headers: list, lean: bool = False
                  ) -> None:
-        config = lib.config.H2Configuration(client_side=True,
-                                            normalize_outbound_headers=not (go_like or lean),
-                                            validate_outbound_headers=not lean)
-        self.conn = lib.connection.H2Connection(config=config)
+        self.conn = _connection(lib, client_side=True, go_like=go_like, lean=lean)
         self.events = lib.events
         self.headers = headers
         self.completed = 0

@@ -22,12 +22,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import ssl
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -178,18 +176,7 @@ def main() -> int:
         args.rounds, args.duration, args.warmup = 1, 3.0, 1.0
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("bench: needs two CPUs (the proxy alone on one)")
-    run.in_project_env()
-    load_before = run.load_average()
-    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit("bench: timed out")))
-    signal.alarm(int(args.timeout))
-    with tempfile.TemporaryDirectory(prefix="mvproxy-h2nginx-") as tmp:
-        try:
-            result = run_all(args, Path(tmp))
-        except SystemExit:
-            for log in sorted(Path(tmp).rglob("*.log")):
-                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
-            raise
-    result["load_before"], result["load_after"] = load_before, run.load_average()
+    result = run.bounded_run(args, "mvproxy-h2nginx-", run_all)
     result["table"] = render(result)
     print("\n" + result["table"])
     if not args.quick:

@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -794,6 +795,26 @@ def chart(result: dict, path: Path) -> bool:
     return True
 
 
+def bounded_run(args: argparse.Namespace, prefix: str,
+                run_all: Callable[[argparse.Namespace, Path], dict]) -> dict:
+    """``run_all`` in a fresh temporary directory, within ``args.timeout`` seconds, the
+    load average before and after added; on failure the tails of its logs are printed
+    (the bench's scripts share this driver)."""
+    in_project_env()
+    load_before = load_average()
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit("bench: timed out")))
+    signal.alarm(int(args.timeout))
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        try:
+            result = run_all(args, Path(tmp))
+        except SystemExit:
+            for log in sorted(Path(tmp).rglob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            raise
+    result["load_before"], result["load_after"] = load_before, load_average()
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -812,18 +833,7 @@ def main() -> int:
         args.rounds, args.duration, args.warmup, args.soak = 1, 3.0, 1.0, 0
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("bench: needs two CPUs (the proxy alone on one)")
-    in_project_env()
-    load_before = load_average()
-    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit("bench: timed out")))
-    signal.alarm(int(args.timeout))
-    with tempfile.TemporaryDirectory(prefix="mvproxy-bench-") as tmp:
-        try:
-            result = run_all(args, Path(tmp))
-        except SystemExit:
-            for log in sorted(Path(tmp).rglob("*.log")):
-                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
-            raise
-    result["load_before"], result["load_after"] = load_before, load_average()
+    result = bounded_run(args, "mvproxy-bench-", run_all)
     table = render(result)
     print("\n" + table)
     if result["profile_top"]:
