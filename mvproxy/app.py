@@ -34,10 +34,11 @@ from mvproxy.discoveryhandler import DiscoveryHandler
 from mvproxy.dnsmembership import DNSMembership
 from mvproxy.errors import UsageError
 from mvproxy.handlers import Proxy
+from mvproxy.http2 import Http2Settings, Http2Stats, Session, open_session
 from mvproxy.identity import ANONYMOUS_DOWNSTREAM, IdentityResolver
 from mvproxy.kubeclient import KubeClient
 from mvproxy.leasemembership import LeaseMembership
-from mvproxy.listener import Limits, Listener
+from mvproxy.listener import DownstreamConnection, Limits, Listener
 from mvproxy.live import LiveSettings
 from mvproxy.logs import kv
 from mvproxy.membership import CombinedMembership, Membership, Peer, StaticMembership
@@ -224,6 +225,21 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
                   peer_ssl, membership_sources(membership), leases, dns)
 
 
+def serve_http2(listener: Listener, cfg: Config, metrics: Metrics) -> Http2Stats:
+    """Hand connections whose client chose ``h2`` to an HTTP/2 session each."""
+    stats = Http2Stats()
+    settings = Http2Settings(max_concurrent_streams=cfg.listener.max_concurrent_streams,
+                             goaway_chance=cfg.listener.goaway_chance)
+
+    def opened(conn: DownstreamConnection) -> Session:
+        assert listener.streams is not None
+        return open_session(conn, listener.streams, settings, stats)
+    listener.serve_http2(opened)
+    metrics.watch_http2(stats, lambda: len(listener.streams.connections)
+                        if listener.streams is not None else 0)
+    return stats
+
+
 def _dns_membership(cfg: Config, metrics: Metrics, on_change: Callable[[], None],
                     peer_ssl: SwappableContext | None) -> DNSMembership | None:
     dns = cfg.membership.dns
@@ -312,6 +328,8 @@ async def running(daemon: Daemon, worker: WorkerRole | None = None
                         on_refused=lambda code: daemon.metrics.refused_requests.labels(
                             str(code)).inc())
     daemon.metrics.watch_connections(lambda: listener.open_connections)
+    if cfg.listener.http2:
+        serve_http2(listener, cfg, daemon.metrics)
     admin = web.AppRunner(build_admin_app(daemon.cache, daemon.metrics, daemon.draining,
                                           daemon.peer_sources,
                                           allowed_hosts=None if worker is not None

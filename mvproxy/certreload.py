@@ -232,7 +232,8 @@ def _bundle(role: str, path: str | None) -> tuple[tuple[x509.Certificate, ...],
 def listener_context(cfg: Config) -> ssl.SSLContext:
     """Serving context; client certificates optional, verified by the client CA or the
     peer client CA if sent (``identity`` then tells which one issued it)."""
-    ctx = tls.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file)
+    ctx = tls.server_context(cfg.tls_cert_file, cfg.tls_private_key_file, cfg.client_ca_file,
+                             http2=cfg.listener.http2)
     peer_ca = cfg.peer.client_ca_file
     if peer_ca and peer_ca != cfg.client_ca_file:
         try:

@@ -227,6 +227,17 @@ def _duration(*, allow_zero: bool = False) -> Parser:
     return parse
 
 
+def _fraction(high: float) -> Parser:
+    def parse(value: object, path: str, ctx: _Context) -> float:
+        if type(value) not in (int, float):  # not isinstance: YAML's `true` is no number
+            raise _Invalid(f"must be a number, got {describe(value)}")
+        if not 0 <= value <= high:  # type: ignore[operator]  # int or float
+            raise _Invalid(f"must be between 0 and {high:g}, got {value!r}")
+        return float(value)  # type: ignore[arg-type]
+
+    return parse
+
+
 def _boolean(value: object, path: str, ctx: _Context) -> bool:
     if not isinstance(value, bool):  # 1 or the string "true" is a mistake, not a yes
         raise _Invalid(f"must be true or false, got {describe(value)}")
@@ -576,6 +587,19 @@ class ListenerConfig:
     has proven anything; beyond this, new clients wait in the kernel's backlog. A
     handshake takes about a millisecond of CPU, so 256 at once is far from a limit for
     honest clients."""
+    http2: bool = _key("http2", _boolean, default=True)
+    """Offer HTTP/2 (``h2`` in ALPN) besides HTTP/1.1 (true, as kube-apiserver does):
+    kubectl and client-go then carry all their requests and watches on one connection.
+    An HTTP/2 request costs more CPU than an HTTP/1.1 one (docs/http2.md); false makes
+    every client fall back to HTTP/1.1."""
+    max_concurrent_streams: int = _key("maxConcurrentStreams", _integer(1, 10_000),
+                                       default=100)
+    """Streams one HTTP/2 connection may have open at once (100, kube-apiserver's); a
+    stream the client reset counts until its request has ended."""
+    goaway_chance: float = _key("goawayChance", _fraction(0.02), default=0.0)
+    """Chance (0 to 0.02) that an HTTP/2 connection is asked to end (``GOAWAY``) after a
+    request, as kube-apiserver's ``--goaway-chance``: long-lived clients behind a load
+    balancer then spread over the mvproxies. 0: never."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

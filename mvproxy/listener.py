@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
-from typing import Any, cast
+from typing import Any, Protocol, cast
 from urllib.parse import unquote
 
 import httptools
@@ -111,6 +111,16 @@ class Limits:
     max_pending_handshakes: int = 256
     """TLS handshakes in progress at once; beyond, new clients wait in the backlog too
     (a stalled handshake holds its ClientHello, up to ~100 KiB, for headerReadTimeout)."""
+
+
+class Multiplexed(Protocol):
+    """What a connection whose client chose ``h2`` hands its bytes and its ending to
+    (``http2.Session``): the streams are requests of their own, on ``Listener.streams``."""
+
+    def data_received(self, data: bytes) -> None: ...
+    def expired(self, now: float) -> None: ...
+    def close_if_idle(self) -> bool: ...
+    def connection_lost(self) -> None: ...
 
 
 Handler = Callable[["Exchange", "DownstreamConnection"], None]
@@ -551,6 +561,8 @@ class DownstreamConnection(FlowControl):
         self._eof_sink: Callable[[], None] | None = None
         self._feeding = False
         """llhttp is parsing a read: nothing is dispatched until its verdict on all of it."""
+        self.session: Multiplexed | None = None
+        """Set when the client chose ``h2``: every byte goes to it."""
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -564,6 +576,11 @@ class DownstreamConnection(FlowControl):
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         self.downstream = self.listener.resolve_identity(der)
         self.listener.opened(self)
+        if ssl_object is not None and self.listener.open_session is not None \
+                and ssl_object.selected_alpn_protocol() == "h2":
+            session = self.session = self.listener.open_session(self)
+            self._raw_sink = session.data_received
+            return
         # The first request head is due like any other (Go's ReadHeaderTimeout).
         self._expect(_DUE_HEAD, self.listener.limits.header_read_timeout)
 
@@ -572,6 +589,9 @@ class DownstreamConnection(FlowControl):
         if self.state is not _CLOSED:
             self._to(_CLOSED)
         self.listener.closed(self)
+        if self.session is not None:
+            session, self.session = self.session, None
+            session.connection_lost()
         if self._eof_sink is not None:
             sink, self._eof_sink = self._eof_sink, None
             sink()
@@ -951,6 +971,8 @@ class DownstreamConnection(FlowControl):
 
     def close_if_idle(self) -> bool:
         """Close now if no request is in progress (shutdown); True if it was idle."""
+        if self.session is not None:
+            return self.session.close_if_idle()
         if self._active is None and self._parsing is None and not self._queue:
             self.close()
             return True
@@ -958,6 +980,10 @@ class DownstreamConnection(FlowControl):
         return False
 
     def expired(self, now: float) -> None:
+        if self.session is not None:
+            if not self.closing:
+                self.session.expired(now)
+            return
         if self.closing or self.state in _QUIET:
             return
         timeout = self.listener.limits.header_read_timeout
@@ -1026,6 +1052,19 @@ class Listener:
         self._starved_logged_at = -STARVED_LOG_INTERVAL
         self._starved_episodes = 0
         self._recovery_unlogged = False
+        self.streams: Listener | None = None
+        """HTTP/2 streams, each a connection of its own (``serve_http2``): their own
+        count, deadlines and drain; ``connections`` holds the TLS connections."""
+        self.open_session: Callable[[DownstreamConnection], Multiplexed] | None = None
+
+    def serve_http2(self, open_session: Callable[[DownstreamConnection], Multiplexed]) -> None:
+        """Offer ``h2`` (the TLS context must list it in ALPN): a connection whose
+        client chose it is handed to ``open_session``."""
+        self.streams = Listener(handler=self.handler, limits=self.limits,
+                                ssl_context=self.ssl_context,
+                                resolve_identity=self.resolve_identity,
+                                anonymous=self.anonymous, on_refused=self._on_refused)
+        self.open_session = open_session
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -1046,8 +1085,13 @@ class Listener:
         sock.setblocking(False)
         self._socket = sock
         self._resume_accepting()
-        self._sweeper = self.loop.create_task(self._sweep(), name="mvproxy-listener-sweep")
+        self._start_sweeping()
+        if self.streams is not None:
+            self.streams._start_sweeping()
         return sock.getsockname()[1]
+
+    def _start_sweeping(self) -> None:
+        self._sweeper = self.loop.create_task(self._sweep(), name="mvproxy-listener-sweep")
 
     def stop_accepting(self) -> None:
         """Close the listening socket (shutdown): new clients are refused by the kernel."""
@@ -1068,6 +1112,8 @@ class Listener:
         for task in list(self._handshakes):
             task.cancel()
         await asyncio.gather(*self._handshakes, return_exceptions=True)
+        if self.streams is not None:
+            await self.streams.close()
         for conn in list(self.connections):
             conn.abort()
         if self._sweeper is not None:
@@ -1079,15 +1125,17 @@ class Listener:
         return len(self.connections) + self._pending
 
     def in_flight(self) -> int:
-        """Requests being handled now (for the shutdown drain)."""
-        return sum(1 for conn in self.connections if conn.busy)
+        """Requests being handled now (for the shutdown drain), HTTP/2 streams too."""
+        streams = 0 if self.streams is None else self.streams.in_flight()
+        return streams + sum(1 for conn in self.connections if conn.busy)
 
     def cancel_in_flight(self) -> int:
         """End every request still being handled (shutdown after the grace period)."""
         busy = [conn for conn in self.connections if conn.busy]
         for conn in busy:
             conn.end_for_shutdown()
-        return len(busy)
+        streams = 0 if self.streams is None else self.streams.cancel_in_flight()
+        return streams + len(busy)
 
     # ---------------------------------------------------------------- accepting
 

@@ -10,9 +10,10 @@ the discovery catalog, peer server IDs from configuration): never a path or a us
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 GVR = ("group", "version", "resource")
@@ -110,6 +111,11 @@ class Metrics:
         """Read ``mvproxy_open_connections`` from the listener at scrape time."""
         self.open_connections.set_function(count)
 
+    def watch_http2(self, stats: Http2Counts, streams: Callable[[], int]) -> None:
+        """Export the HTTP/2 gauges and counters, read at scrape time from ``stats``
+        (``http2.Http2Stats``) and ``streams()`` (streams open now)."""
+        self.registry.register(_Http2Collector(stats, streams))
+
     def watch_peers(self,
                     peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
         """Export ``mvproxy_peer_up`` and ``mvproxy_peer_discovery_age_seconds``.
@@ -129,6 +135,40 @@ class Metrics:
         a renewed file that was refused keeps showing the expiry that will bite.
         """
         self.registry.register(_CertificateCollector(loaded))
+
+
+class Http2Counts(Protocol):
+    sessions: int
+    defences: dict[str, int]
+    goaways: dict[str, int]
+
+
+class _Http2Collector(Collector):
+    def __init__(self, stats: Http2Counts, streams: Callable[[], int]):
+        self._stats, self._streams = stats, streams
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        yield GaugeMetricFamily("mvproxy_http2_connections",
+                                "Downstream connections speaking HTTP/2 now (the rest of "
+                                "mvproxy_open_connections speak HTTP/1.1).",
+                                value=stats.sessions)
+        yield GaugeMetricFamily("mvproxy_http2_streams",
+                                "HTTP/2 streams open now: requests on HTTP/2 connections.",
+                                value=self._streams())
+        for name, text, counts in (
+                ("mvproxy_http2_refusals", "HTTP/2 streams refused and connections ended for "
+                 "what the client did (refused_stream at the concurrency limit, rapid_reset, "
+                 "flood, protocol_error, malformed, not_served), by reason.", stats.defences),
+                ("mvproxy_http2_goaways", "HTTP/2 connections asked to end after a request "
+                 "(unauthenticated, goaway_chance), by reason.", stats.goaways)):
+            family = CounterMetricFamily(name, text, labels=("reason",))
+            for reason, count in sorted(counts.items()):
+                family.add_metric((reason,), count)
+            yield family
 
 
 class _CertificateCollector(Collector):

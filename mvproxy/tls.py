@@ -104,10 +104,10 @@ def _load_ca(ctx: ssl.SSLContext, ca_file: StrPath, what: str) -> None:
         raise PKIError(f"{what} {ca_file} contains no usable PEM certificate") from e
 
 
-def _base_context(protocol: int) -> ssl.SSLContext:
+def _base_context(protocol: int, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLContext:
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["http/1.1"])  # mvproxy speaks HTTP/1.1 only
+    ctx.set_alpn_protocols(list(alpn))
     return ctx
 
 
@@ -127,15 +127,18 @@ def server_context(
     client_ca_file: StrPath | None = None,
     *,
     require_client_cert: bool = False,
+    http2: bool = False,
 ) -> ssl.SSLContext:
     """TLS server context; client certificates are verified against ``client_ca_file``.
 
     Without ``require_client_cert`` a client may still connect without a certificate
-    (bearer tokens), but one it presents must chain to the CA.
+    (bearer tokens), but one it presents must chain to the CA. ``http2``: ``h2`` is
+    offered in ALPN before ``http/1.1`` (the server's order decides in OpenSSL).
     """
     if require_client_cert and client_ca_file is None:
         raise PKIError("requiring client certificates needs a client CA file")
-    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER)
+    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER,
+                        ("h2", "http/1.1") if http2 else ("http/1.1",))
     ctx.num_tickets = SESSION_TICKETS
     _load_cert_chain(ctx, cert_file, key_file)
     if client_ca_file is not None:

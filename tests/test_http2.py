@@ -1,0 +1,178 @@
+"""HTTP/2 toward clients, end to end: the assembled daemon between the fake backend and
+peer (``daemon_support``), a real HTTP/2 client (httpx with h2) over TLS on loopback.
+
+Each test asserts what an HTTP/2 client sees: the protocol it got, the answer, where the
+request went and with which identity, how many connections it took, and how the
+connection ends (``GOAWAY``) when it should.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+
+import httpx
+from aiohttp import web
+from daemon_support import PODGROUPS, WAIT, Cluster, cluster, header, synced
+
+from mvproxy import tls
+
+NAMESPACES = "/api/v1/namespaces"
+
+
+def h2_context(c: Cluster, who: str) -> ssl.SSLContext:
+    """A client context offering ``h2`` then ``http/1.1``, as client-go's does."""
+    root = c.root
+    ca = root / "ca.crt"
+    ctx = {"admin": lambda: tls.client_context(ca, root / "admin.crt", root / "admin.key"),
+           "bearer": lambda: tls.client_context(ca),
+           "peer": lambda: tls.client_context(ca, root / "b" / "front-proxy-client.crt",
+                                              root / "b" / "front-proxy-client.key")}[who]()
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    return ctx
+
+
+def client(c: Cluster, who: str = "admin", **kw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(http2=True, verify=h2_context(c, who), base_url=c.base,
+                             timeout=WAIT, **kw)
+
+
+async def _connections(c: Cluster) -> tuple[float | None, float | None]:
+    return (await c.metric("mvproxy_open_connections"),
+            await c.metric("mvproxy_http2_connections"))
+
+
+async def test_a_request_over_http2_is_served_with_the_clients_identity(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c) as http:
+        r = await http.get(NAMESPACES)
+        assert r.http_version == "HTTP/2"
+        assert r.status_code == 200
+        echoed = r.json()
+        assert echoed["server"] == "backend"
+        assert header(echoed, "X-Remote-User") == ["kubernetes-admin"]
+        assert "Connection" not in r.headers and "transfer-encoding" not in r.headers
+        assert await c.metric("mvproxy_http2_connections") == 1
+
+
+async def test_many_requests_share_one_connection(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c) as http:
+        answers = await asyncio.gather(*(http.get(f"{NAMESPACES}/ns-{i}") for i in range(60)))
+        assert [a.status_code for a in answers] == [200] * 60
+        assert {a.json()["path"] for a in answers} == {f"{NAMESPACES}/ns-{i}" for i in range(60)}
+        assert await _connections(c) == (1, 1)
+        assert await c.metric("mvproxy_http2_streams") == 0
+
+
+async def test_a_bearer_token_is_relayed_and_spoofed_identity_headers_are_not(
+        aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c, "bearer") as http:
+        r = await http.get(NAMESPACES, headers={"Authorization": "Bearer abc",
+                                                "X-Remote-User": "system:admin",
+                                                "X-Remote-Group": "system:masters",
+                                                "Impersonate-User": "someone"})
+        assert r.status_code == 200
+        echoed = r.json()
+        assert header(echoed, "Authorization") == ["Bearer abc"]
+        assert header(echoed, "X-Remote-User") == []
+        assert header(echoed, "X-Remote-Group") == []
+        assert header(echoed, "Impersonate-User") == ["someone"]  # kube-apiserver decides
+        second = await http.get(NAMESPACES, headers={"Authorization": "Bearer abc"})
+        assert second.status_code == 200
+        assert await _connections(c) == (1, 1)  # a token keeps its connection
+
+
+async def test_an_unauthenticated_clients_connection_ends_after_its_request(
+        aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c, "bearer") as http:
+        for _ in range(3):
+            r = await http.get(NAMESPACES)
+            assert r.status_code == 200
+        assert await c.metric("mvproxy_http2_goaways_total", reason="unauthenticated") == 3
+
+
+async def test_request_bodies_with_and_without_a_length(aiohttp_server, root):
+    def routes(app: web.Application) -> None:
+        async def echo_body(request: web.Request) -> web.Response:
+            body = await request.read()
+            return web.json_response({"length": len(body), "te": request.headers.get(
+                "Transfer-Encoding"), "first": body[:10].decode()})
+        app.router.add_put("/api/v1/namespaces/default/configmaps/x", echo_body)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes) as c, client(c) as http:
+        path = "/api/v1/namespaces/default/configmaps/x"
+        sized = await http.put(path, content=b"0123456789" * 50_000)
+        assert sized.status_code == 200
+        assert sized.json() == {"length": 500_000, "te": None, "first": "0123456789"}
+
+        async def pieces():
+            for _ in range(20):
+                yield b"abcdefghij" * 1000
+                await asyncio.sleep(0)
+        streamed = await http.put(path, content=pieces())
+        assert streamed.status_code == 200
+        assert streamed.json() == {"length": 200_000, "te": "chunked", "first": "abcdefghij"}
+
+
+async def test_a_large_response_and_a_watch_stream(aiohttp_server, root):
+    def routes(app: web.Application) -> None:
+        async def big(request: web.Request) -> web.Response:
+            return web.Response(body=b"x" * 3_000_000, content_type="application/json")
+
+        async def watch(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            for i in range(5):
+                await response.write(json.dumps({"type": "ADDED", "n": i}).encode() + b"\n")
+                await asyncio.sleep(0.01)
+            return response
+        app.router.add_get("/api/v1/namespaces/default/pods", big)
+        app.router.add_get("/api/v1/namespaces/default/events", watch)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes) as c, client(c) as http:
+        big = await http.get("/api/v1/namespaces/default/pods")
+        assert big.status_code == 200 and big.content == b"x" * 3_000_000
+        lines = []
+        async with http.stream("GET", "/api/v1/namespaces/default/events?watch=true") as r:
+            assert r.http_version == "HTTP/2"
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(json.loads(line)["n"])
+        assert lines == [0, 1, 2, 3, 4]
+        head = await http.head("/api/v1/namespaces/default/pods")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == "3000000"
+
+
+async def test_the_peer_route_and_discovery_over_http2(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c) as http:
+        c.gate.set()
+        await c.until(lambda: synced(c), "the peer's discovery")
+        routed = await http.get(PODGROUPS)
+        assert routed.status_code == 200 and routed.json()["server"] == "peer"
+        apis = await http.get("/apis", headers={
+            "Accept": "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"})
+        assert apis.status_code == 200
+        groups = {g["metadata"]["name"] for g in apis.json()["items"]}
+        assert "scheduling.k8s.io" in groups
+        assert await _connections(c) == (1, 1)
+
+
+async def test_a_head_over_the_header_limit_gets_431_and_the_connection_carries_on(
+        aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener={"maxHeaderBytes": 4096}) as c, \
+            client(c) as http:
+        big = await http.get(NAMESPACES, headers={"X-Big": "y" * 5000})
+        assert big.status_code == 431
+        assert big.headers["content-type"] == "application/json"
+        assert big.json()["kind"] == "Status"
+        good = await http.get(NAMESPACES)
+        assert good.status_code == 200
+        assert await _connections(c) == (1, 1)
+
+
+async def test_http2_off_makes_clients_fall_back(aiohttp_server, root):
+    async with cluster(aiohttp_server, root, listener={"http2": False}) as c, client(c) as http:
+        r = await http.get(NAMESPACES)
+        assert r.status_code == 200 and r.http_version == "HTTP/1.1"
+        assert await c.metric("mvproxy_http2_connections") is None
