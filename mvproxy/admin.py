@@ -187,8 +187,10 @@ def build_admin_app(cache: DiscoveryCache, metrics: Metrics, draining: asyncio.E
                             content_type="application/json")
 
     def peers_document() -> dict:
+        families = list(metrics.registry.collect())
         return status.peers_document(cache.view(), sources=sources() if sources else None,
-                                     reroutes=status.reroutes(metrics.registry.collect()))
+                                     reroutes=status.reroutes(families),
+                                     connections=status.connections(families))
 
     async def peers(request: web.Request) -> web.Response:
         return json_response(peers_document())

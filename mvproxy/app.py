@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from mvproxy import logs, reload
+from mvproxy import h2upstream, logs, reload
 from mvproxy.admin import build_admin_app, metrics_app, metrics_handler
 from mvproxy.cache import DiscoveryCache
 from mvproxy.certreload import CertificateReloader, DaemonTLS
@@ -122,7 +122,8 @@ NAMED_SOURCES = frozenset(("lease", "dns"))
 certificate: anyone allowed to write a Lease (or a DNS record) chose their address."""
 
 
-def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None
+def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None,
+                    peer_h2: SwappableContext | None = None
                     ) -> Callable[[], Mapping[str, Upstream]]:
     """A function giving the current peers as Upstreams, rebuilt only when they change.
 
@@ -139,7 +140,8 @@ def _peer_upstreams(membership: Membership, peer_ssl: SwappableContext | None
             cached.clear()
             cached[peers] = {p.server_id: Upstream(
                 p.server_id, p.url.rstrip("/"), peer_ssl, is_peer=True,
-                must_name_itself=p.source in NAMED_SOURCES) for p in peers}
+                must_name_itself=p.source in NAMED_SOURCES, h2_context=peer_h2)
+                for p in peers}
         return cached[peers]
     return current
 
@@ -157,9 +159,17 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     tls = DaemonTLS(cfg, identity,
                     on_refused=lambda role: metrics.certificate_reload_errors.labels(role).inc())
     backend_url = cfg.backend.url.rstrip("/")
+    h2 = cfg.upstream_http2 != "off"
+    if h2:
+        transport.open_session = h2upstream.open_session
+        transport.http2_all = cfg.upstream_http2 == "all"
+        metrics.watch_upstream_http2(transport.http2_sessions)
     backend = Upstream("backend", backend_url, tls.backend,
+                       h2_context=tls.h2("backend") if h2 else None,
                        anonymous=Upstream("backend", backend_url, tls.backend_anonymous,
-                                          presents_certificate=False))
+                                          presents_certificate=False,
+                                          h2_context=tls.h2("backend-anonymous") if h2
+                                          else None))
     membership_changed = asyncio.Event()
     peer_ssl = tls.peer  # None: started without peer TLS material
     static = StaticMembership(Peer(p.server_id, p.url) for p in cfg.peers)
@@ -168,7 +178,7 @@ def build_daemon(cfg: Config, *, rng: random.Random | None = None) -> Daemon:
     membership = CombinedMembership(
         static, [source for source in (leases, dns) if source is not None],
         own_id=cfg.server_id, own_urls=[u for u in (cfg.peer.advertise_url, cfg.backend.url) if u])
-    peers = _peer_upstreams(membership, peer_ssl)
+    peers = _peer_upstreams(membership, peer_ssl, tls.h2("peer") if h2 else None)
     cache = DiscoveryCache(cfg.server_id, peers(), stale_after=cfg.discovery.stale_after,
                            forget_after=cfg.discovery.forget_after)
     metrics.watch_peers(lambda: _peer_states(cache))

@@ -272,6 +272,10 @@ class DaemonTLS:
     def backend_anonymous(self) -> tls.SwappableContext:
         return self._contexts["backend-anonymous"]
 
+    def h2(self, name: str) -> tls.SwappableContext | None:
+        """The twin of context ``name`` that offers ``h2`` (HTTP/2 upstream requests)."""
+        return self._contexts.get(f"{name}-h2")
+
     @property
     def peer(self) -> tls.SwappableContext | None:
         """None: started without peer TLS material (no peers configured)."""
@@ -309,10 +313,14 @@ class DaemonTLS:
             _, ca_exp = _bundle("backend-ca", b.ca_file)
             ctx = tls.client_context(b.ca_file, b.cert_file, b.key_file)
             anonymous = tls.client_context(b.ca_file)
+            ctx_h2 = tls.client_context(b.ca_file, b.cert_file, b.key_file, http2=True)
+            anonymous_h2 = tls.client_context(b.ca_file, http2=True)
 
             def apply() -> None:
                 self._swap("backend", ctx)
                 self._swap("backend-anonymous", anonymous)
+                self._swap("backend-h2", ctx_h2)
+                self._swap("backend-anonymous-h2", anonymous_h2)
             return Material(apply, (*leaf, *ca_exp))
         return Unit("backend", files=(b.cert_file, b.key_file, b.ca_file),
                     settings=("backend.certFile", "backend.caFile"),
@@ -325,9 +333,11 @@ class DaemonTLS:
             leaf = (_leaf_expiry("peer-client", p.cert_file),) if p.cert_file else ()
             _, ca_exp = _bundle("peer-ca", p.ca_file)
             ctx = tls.client_context(p.ca_file, p.cert_file, p.key_file)
+            ctx_h2 = tls.client_context(p.ca_file, p.cert_file, p.key_file, http2=True)
 
             def apply() -> None:
                 self._swap("peer", ctx)
+                self._swap("peer-h2", ctx_h2)
             return Material(apply, (*leaf, *ca_exp))
         # peer.clientCAFile is read too: this certificate must chain to it (preflight).
         return Unit("peer", files=(p.cert_file, p.key_file, p.ca_file, p.client_ca_file),

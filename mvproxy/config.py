@@ -648,6 +648,13 @@ class Config:
     timeouts: TimeoutsConfig = _key("timeouts", _Section(TimeoutsConfig),
                                     default_factory=TimeoutsConfig)
     """Upstream connect/request timeouts and the shutdown grace period."""
+    upstream_http2: str = _key("upstreamHTTP2", _choice("longRunning", "all", "off"),
+                               default="longRunning")
+    """Which requests go to the backend and peers over HTTP/2 where they speak it:
+    ``longRunning`` (watches, ``logs -f``: many share one connection, as client-go's
+    share theirs), ``all``, or ``off`` (HTTP/1.1 only). Short requests stay on pooled
+    HTTP/1.1 by default: HTTP/2 costs more CPU per request (docs/http2.md). Upgrades
+    (exec, attach, port-forward) always use HTTP/1.1."""
     listener: ListenerConfig = _key("listener", _Section(ListenerConfig),
                                     default_factory=ListenerConfig)
     """Limits of the downstream listener: header and idle timeouts, sizes, connections."""

@@ -370,17 +370,21 @@ class Forward:
             return
         if upstream.is_peer and exchange.has_body:
             exchange.keep_body_copy(REPLAY_LIMIT)
-        pool = self.pool = self.transport.pool(upstream)
-        conn = pool.take_idle()
+        transport = self.transport
+        pool = self.pool = transport.pool(upstream)
+        stream = upstream.h2_context is not None and not exchange.upgrade \
+            and (self.long_running or transport.http2_all)
+        conn = pool.take_stream() if stream else pool.take_idle()
         if conn is None:
-            self.dial = self.transport.loop.create_task(self._connect(pool))
+            self.dial = transport.loop.create_task(self._connect(pool, stream))
             return
         self._send(conn)
 
-    async def _connect(self, pool: Pool) -> None:
-        """The one task of a request, while a new connection is dialled."""
+    async def _connect(self, pool: Pool, stream: bool) -> None:
+        """The one task of a request, while a new connection is dialled (or an HTTP/2
+        one with room for it is found)."""
         try:
-            conn = await pool.connect()
+            conn = await (pool.connect_stream() if stream else pool.connect())
         except UpstreamConnectError as exc:
             self.dial = None
             self._guarded(self._failed, exc)
@@ -438,7 +442,8 @@ class Forward:
         assert conn is not None
         cause, stale = failover.classify(error, conn.upstream.name,
                                          method=self.exchange.method, reset=conn.reset,
-                                         received=conn.received, reused=conn.requests > 1)
+                                         received=conn.received,
+                                         reused=conn.requests > 1 or conn.refused)
         self._drop(release=False)
         self._failed(cause, stale=stale)
 

@@ -52,7 +52,6 @@ from jh2.config import H2Configuration
 from jh2.connection import H2Connection
 from jh2.errors import ErrorCodes
 from jh2.events import (
-    ConnectionTerminated,
     DataReceived,
     PingReceived,
     PriorityUpdated,
@@ -68,6 +67,7 @@ from jh2.events import (
 from jh2.exceptions import ProtocolError
 from jh2.settings import SettingCodes
 
+from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.identity import Kind
 from mvproxy.kubestatus import status_bytes
 from mvproxy.listener import DownstreamConnection, Listener
@@ -157,6 +157,7 @@ class Session:
         self.budget_at = self.loop.time()
         self.goaway_sent = False
         self.closed = False
+        self.splitter = GoawaySplitter(preface=True)
         self._flushing_waiter = False
         stats.sessions += 1
         self.h2.initiate_connection()
@@ -171,10 +172,20 @@ class Session:
         if self.closed:
             return
         try:
-            events = self.h2.receive_data(data)
+            data = self.splitter.feed(data)
+            events = self.h2.receive_data(data) if data else []
+        except GoawayError as exc:
+            self._defend("protocol_error", str(exc), ErrorCodes.PROTOCOL_ERROR)
+            return
         except ProtocolError as exc:  # jh2 queued the GOAWAY already
             self._defend("protocol_error", str(exc)[:120])
             return
+        if self.splitter.received:  # the client leaves: its open streams finish
+            self.splitter.received.clear()
+            if not self._spend():
+                return
+            self.goaway_sent = True  # nothing new is taken; closed once they did
+            self.loop.call_soon(self._close_when_done)
         for event in events:
             if self.closed:
                 return
@@ -210,9 +221,6 @@ class Session:
                 if not self._spend():
                     return
                 self._send_waiting(0)
-            elif kind is ConnectionTerminated:
-                self.goaway_sent = True  # the client ends it: no new stream is taken
-                self._close_when_done()
             elif kind in (PingReceived, PriorityUpdated, SettingsAcknowledged,
                           UnknownFrameReceived):
                 if not self._spend():
@@ -240,7 +248,7 @@ class Session:
         log.log(V(2), "HTTP/2 connection ended", extra=kv(
             reason=reason, detail=detail, client=self.conn.client_address))
         if code is not None:
-            self.h2.close_connection(code)
+            self._goaway(code)
         self.goaway_sent = True
         self.flush()
         self.conn.close()
@@ -288,7 +296,7 @@ class Session:
         if stream.last and not self.goaway_sent:
             self.goaway_sent = True
             self.stats.goaways[stream.last] = self.stats.goaways.get(stream.last, 0) + 1
-            self.h2.close_connection(ErrorCodes.NO_ERROR)
+            self._goaway(ErrorCodes.NO_ERROR)
         self._close_when_done()
 
     def _close_when_done(self) -> None:
@@ -301,6 +309,11 @@ class Session:
             self.conn.deadline = self.loop.time() + self.streams_listener.limits.idle_timeout
 
     # ---------------------------------------------------------------- frames out
+
+    def _goaway(self, code: int) -> None:
+        """Sent beside jh2 (``h2frames``): the streams it names still finish."""
+        self.flush()
+        self.conn.write(goaway_frame(self.h2.highest_inbound_stream_id, code))
 
     def flush(self) -> None:
         data = self.h2.data_to_send()
@@ -342,7 +355,7 @@ class Session:
                 client=self.conn.client_address))
             if not self.goaway_sent:
                 self.goaway_sent = True
-                self.h2.close_connection(ErrorCodes.NO_ERROR)
+                self._goaway(ErrorCodes.NO_ERROR)
             self.flush()
             self.conn.close()
 
@@ -350,8 +363,7 @@ class Session:
         """Shutdown: ``GOAWAY``, the open streams finish, then the connection closes."""
         if not self.goaway_sent and not self.closed:
             self.goaway_sent = True
-            self.h2.close_connection(ErrorCodes.NO_ERROR)
-            self.flush()
+            self._goaway(ErrorCodes.NO_ERROR)
         if not self.streams:
             self.conn.close()
             return True

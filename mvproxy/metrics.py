@@ -116,6 +116,11 @@ class Metrics:
         (``http2.Http2Stats``) and ``streams()`` (streams open now)."""
         self.registry.register(_Http2Collector(stats, streams))
 
+    def watch_upstream_http2(self, sessions: Callable[[], tuple[int, int]]) -> None:
+        """Export the upstream HTTP/2 gauges: ``sessions()`` -> (connections, requests
+        they carry), read at scrape time."""
+        self.registry.register(_UpstreamHttp2Collector(sessions))
+
     def watch_peers(self,
                     peer_states: Callable[[], Iterable[tuple[str, bool, float | None]]]) -> None:
         """Export ``mvproxy_peer_up`` and ``mvproxy_peer_discovery_age_seconds``.
@@ -169,6 +174,22 @@ class _Http2Collector(Collector):
             for reason, count in sorted(counts.items()):
                 family.add_metric((reason,), count)
             yield family
+
+
+class _UpstreamHttp2Collector(Collector):
+    def __init__(self, sessions: Callable[[], tuple[int, int]]):
+        self._sessions = sessions
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        connections, streams = self._sessions()
+        yield GaugeMetricFamily("mvproxy_upstream_http2_connections",
+                                "HTTP/2 connections to the backend and peers now.",
+                                value=connections)
+        yield GaugeMetricFamily("mvproxy_upstream_http2_streams",
+                                "Requests those HTTP/2 connections carry now.", value=streams)
 
 
 class _CertificateCollector(Collector):

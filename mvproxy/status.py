@@ -69,6 +69,7 @@ def _rfc3339(wall: float) -> str:
 
 def peers_document(view: CacheView, *, sources: Mapping[str, str] | None = None,
                    reroutes: list[dict] | None = None,
+                   connections: dict[str, int] | None = None,
                    clock: Callable[[], float] = time.monotonic,
                    wall: Callable[[], float] = time.time) -> dict:
     """Every server (backend first, then peers by ID) with its reachability, last poll,
@@ -113,7 +114,31 @@ def peers_document(view: CacheView, *, sources: Mapping[str, str] | None = None,
     return {"serverID": view.server_id, "generation": view.generation, "synced": view.synced,
             "time": _rfc3339(now_wall),
             "servers": [describe(role, state) for role, state in states],
-            "apis": apis, "reroutes": reroutes or []}
+            "apis": apis, "reroutes": reroutes or [], "connections": connections or {}}
+
+
+CONNECTION_GAUGES = {
+    "mvproxy_open_connections": "downstream",
+    "mvproxy_http2_connections": "downstreamHTTP2",
+    "mvproxy_http2_streams": "downstreamHTTP2Streams",
+    "mvproxy_upstream_http2_connections": "upstreamHTTP2",
+    "mvproxy_upstream_http2_streams": "upstreamHTTP2Streams",
+}
+"""The gauges ``connections`` reads, and the key each becomes."""
+
+
+def connections(families: Iterable) -> dict[str, int]:
+    """Connections and streams by protocol, from the gauges (summed over workers when
+    ``families`` is their merged exposition): ``downstream`` counts every protocol,
+    ``downstreamHTTP1`` is what is not HTTP/2."""
+    found = dict.fromkeys(CONNECTION_GAUGES.values(), 0)
+    for family in families:
+        for sample in family.samples:
+            key = CONNECTION_GAUGES.get(sample.name)
+            if key is not None:
+                found[key] += int(sample.value)
+    found["downstreamHTTP1"] = max(0, found["downstream"] - found["downstreamHTTP2"])
+    return found
 
 
 def reroutes(families: Iterable) -> list[dict]:

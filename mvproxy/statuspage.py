@@ -99,6 +99,19 @@ def _reroutes(doc: dict) -> str:
             "<th>code</th><th>requests</th></tr>" + body + "</table>")
 
 
+def _connections(doc: dict) -> str:
+    c = doc.get("connections") or {}
+
+    def n(key: str) -> int:
+        value = c.get(key, 0)
+        return value if isinstance(value, int) else 0
+    return (f'<p class="meta" id="connections">From clients: {n("downstreamHTTP1")} '
+            f'HTTP/1.1 and {n("downstreamHTTP2")} HTTP/2 connections, the HTTP/2 ones '
+            f'carrying {n("downstreamHTTP2Streams")} requests. To the backend and peers '
+            f'over HTTP/2: {n("upstreamHTTP2")} connections carrying '
+            f'{n("upstreamHTTP2Streams")} requests (the rest use pooled HTTP/1.1).</p>')
+
+
 def render(doc: dict) -> str:
     """The whole page for one ``peers_document``."""
     servers = doc.get("servers", [])
@@ -122,4 +135,5 @@ def render(doc: dict) -> str:
         f"<h2>Servers</h2>{_servers(doc)}"
         f"<h2>APIs by server</h2>{_apis(doc)}"
         f"<h2>Requests forwarded to peers</h2>{_reroutes(doc)}"
+        f"<h2>Connections</h2>{_connections(doc)}"
         "</body></html>\n")

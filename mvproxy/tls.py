@@ -151,11 +151,14 @@ def client_context(
     ca_file: StrPath | None = None,
     cert_file: StrPath | None = None,
     key_file: StrPath | None = None,
+    *,
+    http2: bool = False,
 ) -> ssl.SSLContext:
-    """TLS client context that always verifies the server (system trust if no CA file)."""
+    """TLS client context that always verifies the server (system trust if no CA file);
+    ``http2``: offering ``h2`` before ``http/1.1``."""
     if key_file is not None and cert_file is None:
         raise PKIError(f"private key {key_file} given without a client certificate")
-    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT)
+    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT, ("h2", "http/1.1") if http2 else ("http/1.1",))
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     if ca_file is None:

@@ -104,6 +104,10 @@ class Upstream:
     must_name_itself: bool = False
     """A peer found through a Lease or DNS: its serving certificate must carry its
     server ID (``tls.peer_serving_problem``); checked once per new connection."""
+    h2_context: ssl.SSLContext | SwappableContext | None = field(
+        default=None, compare=False, repr=False)
+    """The same client material offering ``h2`` in ALPN, for requests carried over
+    HTTP/2 (``upstreamHTTP2``); None: this upstream is reached over HTTP/1.1 only."""
 
     def for_headers(self, headers: Mapping[str, str]) -> Upstream:
         """The connection flavour for a request with these upstream headers."""
@@ -201,6 +205,9 @@ class UpstreamConnection(FlowControl):
         """Some byte of the current response arrived."""
         self.reset = False
         """Aborted by ``Pool.reset`` (its server stopped answering): not worth retrying."""
+        self.refused = False
+        """An HTTP/2 server said it processed nothing of this request (``REFUSED_STREAM``,
+        or ``GOAWAY`` below its stream): like a stale pooled connection, worth a retry."""
         self.context: ssl.SSLContext | None = None
         """The client context of its handshake: once a reload replaced it, the
         connection finishes what it carries and is not reused."""
@@ -214,6 +221,9 @@ class UpstreamConnection(FlowControl):
         self._keep_alive = True
         self._raw_sink: Callable[[bytes], None] | None = None
         self._eof_sink: Callable[[], None] | None = None
+        self.early: list[bytes] | None = None
+        """Set while an HTTP/2 dial completes: the server's first frames (its SETTINGS,
+        sent with the handshake) are kept for the session, not taken as stray bytes."""
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -260,6 +270,9 @@ class UpstreamConnection(FlowControl):
             return
         handler = self._handler
         if handler is None:
+            if self.early is not None:
+                self.early.append(data)
+                return
             # Bytes nobody asked for: the connection's framing is lost.
             self.abort()
             return
@@ -417,17 +430,46 @@ def _keepalive(sock: socket.socket) -> None:
 # --------------------------------------------------------------------------- pool
 
 
+class StreamSession(Protocol):
+    """An HTTP/2 connection carrying requests as streams (``h2upstream.UpstreamSession``)."""
+
+    ready: asyncio.Future[None]
+    """Done once the server's SETTINGS came (its stream limit is known)."""
+    carrying: int
+    """Requests on it now."""
+
+    def can_open(self) -> bool: ...
+    def open_stream(self) -> UpstreamConnection: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+
+
+SessionOpener = Callable[["Pool", UpstreamConnection], StreamSession]
+"""Takes over a dialled connection whose server chose ``h2`` (``h2upstream.open_session``)."""
+MAX_DIAL_ROUNDS = 32
+"""Sessions a request waits to be dialled for it before it goes over HTTP/1.1 (a burst
+of watches fills one session after another; each round is one dial)."""
+H2_RETRY_AFTER = 60.0
+"""Seconds an upstream that answered ``http/1.1`` to ``h2`` is reached over HTTP/1.1
+before ``h2`` is offered again (it may be upgraded meanwhile)."""
+
+
 class Pool:
-    """Connections to one upstream: idle ones to reuse, busy ones to abort on reset."""
+    """Connections to one upstream: idle ones to reuse, busy ones to abort on reset;
+    and HTTP/2 sessions, each carrying many requests."""
 
     def __init__(self, upstream: Upstream, *, connect_timeout: float, max_idle: int,
-                 idle_expiry: float):
+                 idle_expiry: float, open_session: SessionOpener | None = None):
         self.upstream = upstream
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.idle_expiry = idle_expiry
         self.idle: deque[UpstreamConnection] = deque()
         self.busy: set[UpstreamConnection] = set()
+        self.open_session = open_session
+        self.sessions: list[StreamSession] = []
+        self.h2_refused_until = 0.0
+        self._dialing: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return f"<Pool {self.upstream.name}: {len(self.busy)} busy, {len(self.idle)} idle>"
@@ -461,13 +503,62 @@ class Pool:
         self.busy.add(conn)
         return conn
 
-    async def _connect(self) -> UpstreamConnection:
+    def take_stream(self) -> UpstreamConnection | None:
+        """A request on an HTTP/2 session that has room for one, if any."""
+        for session in self.sessions:
+            if session.can_open():
+                return session.open_stream()
+        return None
+
+    async def connect_stream(self) -> UpstreamConnection:
+        """A request on HTTP/2: on a session with room, else on a new one (one dial at a
+        time: the requests that wait for it share it); over HTTP/1.1 when the upstream
+        does not speak ``h2`` (``H2_RETRY_AFTER``)."""
+        for _ in range(MAX_DIAL_ROUNDS):
+            conn = self.take_stream()
+            if conn is not None:
+                return conn
+            context = self.upstream.h2_context
+            if context is None or self.open_session is None \
+                    or time.monotonic() < self.h2_refused_until:
+                break
+            if self._dialing is not None:
+                await asyncio.shield(self._dialing)
+                continue
+            dialing = self._dialing = asyncio.get_running_loop().create_future()
+            try:
+                conn = await self._connect(current_context(context), early=True)
+                ssl_object = conn.transport.get_extra_info("ssl_object") \
+                    if conn.transport else None
+                if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+                    self.h2_refused_until = time.monotonic() + H2_RETRY_AFTER
+                    conn.early = None
+                    self.busy.add(conn)  # this request on it; never pooled (its context)
+                    return conn
+                session = self.open_session(self, conn)
+                self.sessions.append(session)
+                # Its stream limit first, so the requests waiting share it rightly.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(session.ready), self.connect_timeout)
+            finally:
+                self._dialing = None
+                dialing.set_result(None)
+        return await self.connect()
+
+    def forget_session(self, session: StreamSession) -> None:
+        with contextlib.suppress(ValueError):
+            self.sessions.remove(session)
+
+    async def _connect(self, context: ssl.SSLContext | None = None, *,
+                       early: bool = False) -> UpstreamConnection:
         upstream = self.upstream
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
                 conn = UpstreamConnection(self)
-                conn.context = current_context(upstream.ssl_context)
+                conn.context = context or current_context(upstream.ssl_context)
+                if early:
+                    conn.early = []
                 conn.socket_transport = await connect_tls(
                     loop, upstream.host, upstream.port, conn, conn.context,
                     server_hostname=upstream.host, handshake_timeout=self.connect_timeout)
@@ -521,6 +612,9 @@ class Pool:
         for conn in [*self.idle, *busy]:
             conn.reset = True
             conn.abort()
+        sessions, self.sessions = self.sessions, []
+        for session in sessions:
+            session.abort()
         self.idle.clear()
         self.busy.clear()
         return len(busy)
@@ -589,6 +683,11 @@ class Transport:
         self._by_id: dict[int, Pool] = {}
         self.deadlines = Deadlines(period=max(0.02, min(1.0, request_timeout / 8)))
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.open_session: SessionOpener | None = None
+        """Set when requests may go over HTTP/2 (``upstreamHTTP2``)."""
+        self.http2_all = False
+        """Every request over HTTP/2 where the upstream speaks it, not only the
+        long-running ones (``upstreamHTTP2: all``)."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -614,7 +713,7 @@ class Transport:
         if pool is None:
             pool = self._pools[upstream] = Pool(
                 upstream, connect_timeout=self.connect_timeout, max_idle=self._max_idle,
-                idle_expiry=self._idle_expiry)
+                idle_expiry=self._idle_expiry, open_session=self.open_session)
         self._by_id[id(upstream)] = pool
         return pool
 
@@ -634,12 +733,20 @@ class Transport:
                 for conn in pool.idle:
                     conn.close()
                 pool.idle.clear()
+                sessions, pool.sessions = pool.sessions, []
+                for session in sessions:
+                    session.close()  # what they carry finishes; nothing new goes there
 
     def reset(self, name: str) -> int:
         """Drop every pool of upstream ``name`` (both flavours); returns the requests
         aborted."""
         return sum(pool.reset() for upstream, pool in self._pools.items()
                    if upstream.name == name)
+
+    def http2_sessions(self) -> tuple[int, int]:
+        """HTTP/2 connections open to every upstream, and the requests they carry."""
+        sessions = [s for pool in self._pools.values() for s in pool.sessions]
+        return len(sessions), sum(s.carrying for s in sessions)
 
     async def fetch(self, upstream: Upstream, path: str, *, headers: Mapping[str, str],
                     timeout: float, max_bytes: int) -> Fetched:

@@ -60,7 +60,7 @@ from mvproxy.config import Config
 from mvproxy.errors import UsageError
 from mvproxy.logs import kv
 from mvproxy.metricsmerge import MetricsMerger
-from mvproxy.status import BadQuery, reroutes, route_query
+from mvproxy.status import BadQuery, connections, reroutes, route_query
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,9 @@ class Supervisor:
         document["worker"] = index
         texts = await asyncio.gather(*(self.metrics_text(w) for w in self.workers))
         merged = self.merger.merge(texts).decode("utf-8", "replace")
-        document["reroutes"] = reroutes(text_string_to_metric_families(merged))
+        families = list(text_string_to_metric_families(merged))
+        document["reroutes"] = reroutes(families)
+        document["connections"] = connections(families)
         return document
 
     # ---------------------------------------------------------------- admin listener
