@@ -645,6 +645,8 @@ def request_head(headers: list[tuple[bytes, bytes]],
             cookies.append(value)
             continue
         if name == b"content-length":
+            if length and value != length:  # jh2 holds DATA to the first one
+                return b"", "two different content-lengths", method, has_auth
             length = value
             continue
         if name == b"host":
