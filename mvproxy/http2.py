@@ -66,7 +66,7 @@ from jh2.events import (
     WindowUpdated,
 )
 from jh2.exceptions import ProtocolError
-from jh2.settings import SettingCodes
+from jh2.settings import SettingCodes, Settings
 
 from mvproxy.identity import Kind
 from mvproxy.kubestatus import status_bytes
@@ -140,9 +140,13 @@ class Session:
             client_side=False, header_encoding=None, validate_inbound_headers=True,
             normalize_inbound_headers=True, validate_outbound_headers=False,
             normalize_outbound_headers=False))
-        self.h2.local_settings.update({
+        # Replaced, not updated: ``initiate_connection`` advertises the current values,
+        # and jh2 would apply updated ones only once the client acknowledged SETTINGS
+        # it never saw (its default 100 streams and 6 MB stream windows).
+        self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: settings.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_bytes,
+            SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             SettingCodes.ENABLE_PUSH: 0,
         })
         # jh2 applies its settings once the client acknowledges them; the decoder's
