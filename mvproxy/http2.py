@@ -43,6 +43,7 @@ import asyncio
 import logging
 import random
 import re
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,8 @@ REFUSED_LIMIT = 2
 """Streams refused at the concurrency limit, as a multiple of that limit, before the
 connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the limit (or resets
 its streams to open more, CVE-2023-44487) is not honest."""
+_GOAWAY = 0x7
+"""The GOAWAY frame type (RFC 9113 §6.8)."""
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _AUTHORITY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@\[\]%]*\Z")
@@ -290,10 +293,19 @@ class Session:
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
         if stream.last and not self.goaway_sent:
-            self.goaway_sent = True
             self.stats.goaways[stream.last] = self.stats.goaways.get(stream.last, 0) + 1
-            self.h2.close_connection(ErrorCodes.NO_ERROR)
+            self._goaway()
         self._close_when_done()
+
+    def _goaway(self) -> None:
+        """``GOAWAY(NO_ERROR)`` that lets the open streams finish: no stream after the
+        last one taken is served (``_open`` refuses it). Written here, not with jh2's
+        ``close_connection``, which closes its state machine: no answer could be sent
+        after it, and any frame the client sent meanwhile would be a protocol error."""
+        self.goaway_sent = True
+        self.flush()
+        self.conn.write(struct.pack(">IBIII", (8 << 8) | _GOAWAY, 0, 0,
+                                    self.h2.highest_inbound_stream_id, ErrorCodes.NO_ERROR))
 
     def _close_when_done(self) -> None:
         if self.streams:
@@ -353,9 +365,7 @@ class Session:
     def close_if_idle(self) -> bool:
         """Shutdown: ``GOAWAY``, the open streams finish, then the connection closes."""
         if not self.goaway_sent and not self.closed:
-            self.goaway_sent = True
-            self.h2.close_connection(ErrorCodes.NO_ERROR)
-            self.flush()
+            self._goaway()
         if not self.streams:
             self.conn.close()
             return True
