@@ -20,7 +20,9 @@ What this module adds to that path, and owns:
 - **concurrency**: ``SETTINGS_MAX_CONCURRENT_STREAMS`` (``maxConcurrentStreams``), and
   a stream the client reset still counts until its handler has ended (the rapid-reset
   defence, CVE-2023-44487); new streams past the limit are refused, and a connection
-  that keeps opening them gets ``GOAWAY(ENHANCE_YOUR_CALM)``.
+  that keeps opening them, or keeps resetting streams before their answer ended (the
+  reset ends the request at once, so the limit alone would not slow it), gets
+  ``GOAWAY(ENHANCE_YOUR_CALM)``.
 - **flood limits**: frames that make no request (PING, SETTINGS, PRIORITY, empty DATA,
   unknown types) spend a budget that refills with time; overspent, the connection
   ends. jh2 bounds a header block to 64 CONTINUATION frames, and the decoded list to
@@ -85,9 +87,10 @@ second come back. client-go sends a PING per 30 s idle and a few SETTINGS: hones
 clients never come near it; a flood ends its connection within a second."""
 CONTROL_REFILL = 100.0
 REFUSED_LIMIT = 2
-"""Streams refused at the concurrency limit, as a multiple of that limit, before the
-connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the limit (or resets
-its streams to open more, CVE-2023-44487) is not honest."""
+"""Streams refused at the concurrency limit, or reset by the client before their answer
+ended (a budget that refills by the limit per second), as a multiple of that limit,
+before the connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the
+limit, or resets its streams to open more (CVE-2023-44487), is not honest."""
 _GOAWAY = 0x7
 """The GOAWAY frame type (RFC 9113 §6.8)."""
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
@@ -160,6 +163,8 @@ class Session:
         self.working: list[StreamTransport] = []
         """Streams whose handler has not ended, reset or not: what the limit counts."""
         self.refused = 0
+        self.resets = float(REFUSED_LIMIT * settings.max_concurrent_streams)
+        self.resets_at = self.loop.time()
         self.budget = float(CONTROL_BUDGET)
         self.budget_at = self.loop.time()
         self.goaway_sent = False
@@ -211,6 +216,8 @@ class Session:
                 stream = self.streams.get(event.stream_id)
                 if stream is not None:
                     stream.client_left()
+                    if event.remote_reset and not self._reset_allowed():
+                        return
             elif kind is WindowUpdated:
                 self._send_waiting(event.stream_id)
             elif kind is RemoteSettingsChanged:
@@ -237,6 +244,22 @@ class Session:
         if self.budget >= 0:
             return True
         self._defend("flood", "too many frames that make no request",
+                     ErrorCodes.ENHANCE_YOUR_CALM)
+        return False
+
+    def _reset_allowed(self) -> bool:
+        """The client reset a stream before its answer ended. That ends its request at
+        once, so the concurrency limit alone would let a client open and reset streams
+        as fast as it writes (CVE-2023-44487): resets spend a budget of
+        ``REFUSED_LIMIT`` times the limit that refills by the limit per second."""
+        limit = self.settings.max_concurrent_streams
+        now = self.loop.time()
+        self.resets = min(float(REFUSED_LIMIT * limit),
+                          self.resets + (now - self.resets_at) * limit) - 1
+        self.resets_at = now
+        if self.resets >= 0:
+            return True
+        self._defend("rapid_reset", "streams reset before their answer ended",
                      ErrorCodes.ENHANCE_YOUR_CALM)
         return False
 
