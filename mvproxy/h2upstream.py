@@ -43,7 +43,7 @@ from jh2.events import (
     WindowUpdated,
 )
 from jh2.exceptions import ProtocolError
-from jh2.settings import SettingCodes
+from jh2.settings import SettingCodes, Settings
 
 from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.logs import V, kv
@@ -73,9 +73,12 @@ class UpstreamSession:
             client_side=True, header_encoding=None, validate_inbound_headers=True,
             normalize_inbound_headers=True, validate_outbound_headers=False,
             normalize_outbound_headers=False))
-        self.h2.local_settings.update({SettingCodes.ENABLE_PUSH: 0,
-                                       SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                                       SettingCodes.MAX_CONCURRENT_STREAMS: 0})
+        # Replaced, not updated: ``initiate_connection`` advertises the current values;
+        # updated ones would apply only once the server acknowledged SETTINGS it never
+        # saw, and its first DATA would overrun the window it was not told of.
+        self.h2.local_settings = Settings(client=True, initial_values={
+            SettingCodes.ENABLE_PUSH: 0, SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            SettingCodes.MAX_CONCURRENT_STREAMS: 0})
         self.streams: dict[int, UpstreamStream] = {}
         self.carrying = 0
         """Requests on this connection, sent or about to be."""

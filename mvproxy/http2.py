@@ -20,7 +20,9 @@ What this module adds to that path, and owns:
 - **concurrency**: ``SETTINGS_MAX_CONCURRENT_STREAMS`` (``maxConcurrentStreams``), and
   a stream the client reset still counts until its handler has ended (the rapid-reset
   defence, CVE-2023-44487); new streams past the limit are refused, and a connection
-  that keeps opening them gets ``GOAWAY(ENHANCE_YOUR_CALM)``.
+  that keeps opening them, or keeps resetting streams before their answer ended (the
+  reset ends the request at once, so the limit alone would not slow it), gets
+  ``GOAWAY(ENHANCE_YOUR_CALM)``.
 - **flood limits**: frames that make no request (PING, SETTINGS, PRIORITY, empty DATA,
   unknown types) spend a budget that refills with time; overspent, the connection
   ends. jh2 bounds a header block to 64 CONTINUATION frames, and the decoded list to
@@ -65,7 +67,7 @@ from jh2.events import (
     WindowUpdated,
 )
 from jh2.exceptions import ProtocolError
-from jh2.settings import SettingCodes
+from jh2.settings import SettingCodes, Settings
 
 from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.identity import Kind
@@ -84,9 +86,10 @@ second come back. client-go sends a PING per 30 s idle and a few SETTINGS: hones
 clients never come near it; a flood ends its connection within a second."""
 CONTROL_REFILL = 100.0
 REFUSED_LIMIT = 2
-"""Streams refused at the concurrency limit, as a multiple of that limit, before the
-connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the limit (or resets
-its streams to open more, CVE-2023-44487) is not honest."""
+"""Streams refused at the concurrency limit, or reset by the client before their answer
+ended (a budget that refills by the limit per second), as a multiple of that limit,
+before the connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the
+limit, or resets its streams to open more (CVE-2023-44487), is not honest."""
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _AUTHORITY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@\[\]%]*\Z")
@@ -140,9 +143,13 @@ class Session:
             client_side=False, header_encoding=None, validate_inbound_headers=True,
             normalize_inbound_headers=True, validate_outbound_headers=False,
             normalize_outbound_headers=False))
-        self.h2.local_settings.update({
+        # Replaced, not updated: ``initiate_connection`` advertises the current values,
+        # and jh2 would apply updated ones only once the client acknowledged SETTINGS
+        # it never saw (its default 100 streams and 6 MB stream windows).
+        self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: settings.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_bytes,
+            SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             SettingCodes.ENABLE_PUSH: 0,
         })
         # jh2 applies its settings once the client acknowledges them; the decoder's
@@ -153,6 +160,8 @@ class Session:
         self.working: list[StreamTransport] = []
         """Streams whose handler has not ended, reset or not: what the limit counts."""
         self.refused = 0
+        self.resets = float(REFUSED_LIMIT * settings.max_concurrent_streams)
+        self.resets_at = self.loop.time()
         self.budget = float(CONTROL_BUDGET)
         self.budget_at = self.loop.time()
         self.goaway_sent = False
@@ -215,6 +224,8 @@ class Session:
                 stream = self.streams.get(event.stream_id)
                 if stream is not None:
                     stream.client_left()
+                    if event.remote_reset and not self._reset_allowed():
+                        return
             elif kind is WindowUpdated:
                 self._send_waiting(event.stream_id)
             elif kind is RemoteSettingsChanged:
@@ -238,6 +249,22 @@ class Session:
         if self.budget >= 0:
             return True
         self._defend("flood", "too many frames that make no request",
+                     ErrorCodes.ENHANCE_YOUR_CALM)
+        return False
+
+    def _reset_allowed(self) -> bool:
+        """The client reset a stream before its answer ended. That ends its request at
+        once, so the concurrency limit alone would let a client open and reset streams
+        as fast as it writes (CVE-2023-44487): resets spend a budget of
+        ``REFUSED_LIMIT`` times the limit that refills by the limit per second."""
+        limit = self.settings.max_concurrent_streams
+        now = self.loop.time()
+        self.resets = min(float(REFUSED_LIMIT * limit),
+                          self.resets + (now - self.resets_at) * limit) - 1
+        self.resets_at = now
+        if self.resets >= 0:
+            return True
+        self._defend("rapid_reset", "streams reset before their answer ended",
                      ErrorCodes.ENHANCE_YOUR_CALM)
         return False
 
@@ -294,7 +321,6 @@ class Session:
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
         if stream.last and not self.goaway_sent:
-            self.goaway_sent = True
             self.stats.goaways[stream.last] = self.stats.goaways.get(stream.last, 0) + 1
             self._goaway(ErrorCodes.NO_ERROR)
         self._close_when_done()
@@ -311,7 +337,11 @@ class Session:
     # ---------------------------------------------------------------- frames out
 
     def _goaway(self, code: int) -> None:
-        """Sent beside jh2 (``h2frames``): the streams it names still finish."""
+        """``GOAWAY`` that lets the open streams finish: no stream after the last one
+        taken is served (``_open`` refuses it). Written beside jh2 (``h2frames``): its
+        ``close_connection`` closes its state machine, so no answer could be sent after
+        it, and any frame the client sent meanwhile would be a protocol error."""
+        self.goaway_sent = True
         self.flush()
         self.conn.write(goaway_frame(self.h2.highest_inbound_stream_id, code))
 
@@ -362,7 +392,6 @@ class Session:
     def close_if_idle(self) -> bool:
         """Shutdown: ``GOAWAY``, the open streams finish, then the connection closes."""
         if not self.goaway_sent and not self.closed:
-            self.goaway_sent = True
             self._goaway(ErrorCodes.NO_ERROR)
         if not self.streams:
             self.conn.close()
@@ -657,6 +686,8 @@ def request_head(headers: list[tuple[bytes, bytes]],
             cookies.append(value)
             continue
         if name == b"content-length":
+            if length and value != length:  # jh2 holds DATA to the first one
+                return b"", "two different content-lengths", method, has_auth
             length = value
             continue
         if name == b"host":
