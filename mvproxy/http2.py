@@ -298,6 +298,14 @@ class Session:
                 self._defend("rapid_reset", "streams opened past the concurrency limit",
                              ErrorCodes.ENHANCE_YOUR_CALM)
             return
+        streams = self.streams_listener
+        if len(streams.connections) + conn.listener.open_connections \
+                >= streams.limits.max_connections:
+            # Each request may hold an upstream connection, as each HTTP/1.1 client
+            # connection may: maxConnections bounds them all, whatever the protocol.
+            self.stats.defended("stream_limit")
+            self.h2.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
+            return
         head, problem, method, has_auth = request_head(headers, ended)
         stream = StreamTransport(self, stream_id, method == b"HEAD")
         self.streams[stream_id] = stream
@@ -535,6 +543,7 @@ class StreamTransport(asyncio.Transport):
         try:
             self.parser.feed_data(data)
             self.send()
+            self.session.flush()  # a head alone (a quiet watch's) goes out now too
         except (httptools.HttpParserError, ProtocolError) as exc:
             if isinstance(exc, ProtocolError) or isinstance(exc.__context__, ProtocolError):
                 self.ended = True  # the client closed the stream meanwhile

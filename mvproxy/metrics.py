@@ -166,7 +166,8 @@ class _Http2Collector(Collector):
                                 value=self._streams())
         for name, text, counts in (
                 ("mvproxy_http2_refusals", "HTTP/2 streams refused and connections ended for "
-                 "what the client did (refused_stream at the concurrency limit, rapid_reset, "
+                 "what the client did (refused_stream at the concurrency limit, stream_limit at "
+                 "maxConnections requests in all, rapid_reset, "
                  "flood, protocol_error, malformed, not_served), by reason.", stats.defences),
                 ("mvproxy_http2_goaways", "HTTP/2 connections asked to end after a request "
                  "(unauthenticated, goaway_chance), by reason.", stats.goaways)):

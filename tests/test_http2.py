@@ -15,6 +15,8 @@ import ssl
 import httpx
 from aiohttp import web
 from daemon_support import PODGROUPS, WAIT, Cluster, cluster, header, synced
+from h2_support import RawH2
+from jh2.errors import ErrorCodes
 
 from mvproxy import tls
 
@@ -176,3 +178,38 @@ async def test_http2_off_makes_clients_fall_back(aiohttp_server, root):
         r = await http.get(NAMESPACES)
         assert r.status_code == 200 and r.http_version == "HTTP/1.1"
         assert await c.metric("mvproxy_http2_connections") is None
+
+
+async def test_max_connections_bounds_requests_over_http2_too(aiohttp_server, root):
+    """Each request may hold an upstream connection, as each HTTP/1.1 connection may:
+    past ``maxConnections`` in all, a new stream is refused (the client may retry)."""
+    release = asyncio.Event()
+
+    def routes(app: web.Application) -> None:
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.wait_for(release.wait(), WAIT)
+            return web.json_response({"done": True})
+        app.router.add_get("/api/v1/namespaces/default/secrets", slow)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes,
+                       listener={"maxConnections": 4, "headerReadTimeout": "1s"}) as c:
+        # The start-up check's probe of the port counts until its deadline: let it go.
+        await c.until(lambda: _open_connections_are(c, 0), "no connection open")
+        async with await RawH2.open(c.port, h2_context(c, "admin")) as conn:
+            held = [conn.request("/api/v1/namespaces/default/secrets") for _ in range(3)]
+            await c.until(lambda: _streams_at_least(c, 3), "three requests in flight")
+            refused = await conn.response(conn.request(NAMESPACES))  # 1 + 3: the limit
+            assert refused.reset == ErrorCodes.REFUSED_STREAM and refused.status is None
+            assert await c.metric("mvproxy_http2_refusals_total", reason="stream_limit") == 1
+            release.set()
+            assert [(await conn.response(s)).status for s in held] == [200] * 3
+            again = await conn.response(conn.request(NAMESPACES))
+            assert again.status == 200
+
+
+async def _streams_at_least(c: Cluster, n: int) -> bool:
+    return (await c.metric("mvproxy_http2_streams") or 0) >= n
+
+
+async def _open_connections_are(c: Cluster, n: int) -> bool:
+    return await c.metric("mvproxy_open_connections") == n
