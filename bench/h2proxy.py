@@ -144,6 +144,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
                 print(f"            upstream connections opened: "
                       f"{row['upstream_connections_opened']}", flush=True)
                 runs[target, load[0]].append(row)
+        profiles = (perf_by_library(args, bench, urls, pids, targets[-1])
+                    if args.perf else {})
         versions = {
             "nginx": subprocess.run([nginx, "-v"], capture_output=True, text=True,
                                     timeout=30).stderr.strip(),
@@ -155,9 +157,43 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         procs.stop()
     return {"rows": summarize(runs), "runs": [{"target": t, "load": load, **r}
                                               for (t, load), rs in runs.items() for r in rs],
-            **versions,
+            "perf": profiles, **versions,
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": run.machine(), "rounds": args.rounds, "duration_s": args.duration}
+
+
+PROFILED = ("h2 1 × 100", "HTTP/1.1 100 (wrk)")
+
+
+def perf_by_library(args: argparse.Namespace, bench: run.Bench, urls: dict[str, str],
+                    pids: dict[str, list[int]], target: str) -> dict[str, dict]:
+    """Where ``target``'s CPU goes by library (perf, sampling only its process) under the
+    same number of requests in flight over HTTP/2 and over HTTP/1.1: one extra run of
+    each after the rounds, so sampling adds nothing to the table's figures."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return {"note": {"perf": "not available"}}
+    out: dict[str, dict] = {}
+    for load in (load for load in LOADS if load[0] in PROFILED):
+        data = bench.work / f"perf-{len(out)}.data"
+        recorder = subprocess.Popen([perf, "record", "-F", "999", "-p", str(pids[target][0]),
+                                     "-o", str(data), "--", "sleep", f"{args.duration:g}"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"  perf {target:8}", end="", flush=True)
+        row = h2nginx.measure(load, bench, urls[target], pids[target], args.duration, 1.0)
+        recorder.wait(args.duration + 60)
+        report = subprocess.run([perf, "report", "-i", str(data), "--sort", "dso", "--stdio"],
+                                capture_output=True, text=True, timeout=120).stdout
+        shares = {}
+        for line in report.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith("%") and not line.lstrip().startswith("#"):
+                shares[parts[1]] = float(parts[0][:-1])
+        top = dict(sorted(shares.items(), key=lambda kv: -kv[1])[:8])
+        out[load[0]] = {"target": target, "cpu_us": row["cpu_us"], "shares": top,
+                        "us_per_request": {lib: round(share / 100 * row["cpu_us"], 1)
+                                           for lib, share in top.items()}}
+    return out
 
 
 def span(values: list[float]) -> list[float]:
@@ -207,6 +243,13 @@ def render(result: dict) -> str:
                      f"{fmt(row['cpu_efficiency_vs_nginx'], '.2f')} | "
                      f"{fmt(row['cpu_vs_own_http1'], '.2f')} | "
                      f"{fmt(row['upstream_connections_opened'], '.0f')} | {row['errors']} |")
+    for load, got in result.get("perf", {}).items():
+        if "shares" not in got:
+            continue
+        lines += ["", f"perf, {got['target']}, {load} ({got['cpu_us']:.0f} µs/req, one extra "
+                      "run): " + ", ".join(f"{lib} {share:.1f} % ≈ "
+                                          f"{got['us_per_request'][lib]:.0f} µs"
+                                          for lib, share in got["shares"].items())]
     return "\n".join(lines)
 
 
@@ -220,6 +263,9 @@ def main() -> int:
     parser.add_argument("--pool-idle", type=int, default=512,
                         help="also a mvproxy whose upstream pool keeps this many idle "
                              "connections (a bench-only launcher; 0: leave it out)")
+    parser.add_argument("--perf", action="store_true",
+                        help="then perf by library of the last mvproxy under h2 1 × 100 "
+                             "and HTTP/1.1 100")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.duration, args.warmup = 1, 3.0, 1.0
