@@ -1,0 +1,3 @@
+module mvproxy.bench/watchload
+
+go 1.24
