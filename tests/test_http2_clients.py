@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import e2e_support
 import pytest
 import yaml
 from e2e_support import (
@@ -62,15 +63,18 @@ from e2e_support import (
     wait_until,
 )
 from informer_support import Informer, informer_binary
+from real_support import require_binaries
 
-from mvproxy.devcluster.demo import DemoCluster, start_cluster
+from mvproxy.devcluster.demo import DemoCluster, ServerInfo, start_cluster
 from mvproxy.devcluster.kubeconfig import write_kubeconfig
 from mvproxy.devcluster.launcher import free_port
+from mvproxy.devcluster.realdemo import start_real_cluster
 
 OLD, NEW = "apiserver-0", "apiserver-1"  # 1.35 (no PodGroups), 1.36
 PODGROUPS = "/apis/scheduling.k8s.io/v1alpha2"
 NAMESPACES = ("h2", "h1", "streams", "informers", "drain")
 INFORMER_VERSION = "1.36.3"
+REAL_VERSIONS = ("1.35.4", "1.36.3")
 INFORMERS = 100
 """As many as mvproxy's default ``maxConcurrentStreams``: client-go opens a second
 connection only past the server's limit, so one more would need two."""
@@ -98,12 +102,13 @@ spec:
 
 class Front:
     """A TCP relay on 127.0.0.1 in front of mvproxies, as a Service's load balancer:
-    each connection goes to the first of ``targets`` that accepts it (so a stopped
-    mvproxy's clients land on the next), bytes pass untouched (TLS and ALPN are the
-    client's and mvproxy's). ``relayed`` counts connections by target port."""
+    each connection goes to the first of ``targets`` (ServerInfo: host and proxy port)
+    that accepts it, so a stopped mvproxy's clients land on the next; bytes pass
+    untouched (TLS and ALPN are the client's and mvproxy's). ``relayed`` counts
+    connections by target port."""
 
-    def __init__(self, targets: Sequence[int]) -> None:
-        self.targets = list(targets)
+    def __init__(self, targets: Sequence[ServerInfo]) -> None:
+        self.targets = [(t.host, t.proxy_port) for t in targets]
         self.relayed: dict[int, int] = {}
         self.refused = 0
         self.port = 0
@@ -160,9 +165,9 @@ class Front:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      writers: set[asyncio.StreamWriter]) -> None:
         upstream = None
-        for port in self.targets:
+        for host, port in self.targets:
             try:
-                upstream = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+                upstream = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
             except (OSError, TimeoutError):
                 continue
             self.relayed[port] = self.relayed.get(port, 0) + 1
@@ -293,7 +298,7 @@ def test_kubectl_over_http2_one_connection_per_command(cluster: DemoCluster, k) 
     """Discovery, create, get, a watch of a resource only the peer serves, patch and
     delete through the 1.35 server's mvproxy: each command one HTTP/2 connection,
     every request a stream of it, the watch one open stream."""
-    with Front([cluster.server(OLD).proxy_port]) as front:
+    with Front([cluster.server(OLD)]) as front:
         kc = front_kubeconfig(cluster, front, "h2")
         found = k(kc, "api-resources", "-o", "name")  # its cache is empty: full discovery
         assert "podgroups.scheduling.k8s.io" in found.stdout.split()
@@ -369,7 +374,7 @@ def http2_off(cluster: DemoCluster, sid: str) -> Iterator[None]:
 def test_kubectl_with_http2_off_falls_back_to_http1(cluster: DemoCluster, k) -> None:
     """``listener.http2: false``: mvproxy offers only ``http/1.1`` and kubectl, which
     offered ``h2`` first, works as before without a word."""
-    with http2_off(cluster, NEW), Front([cluster.server(NEW).proxy_port]) as front:
+    with http2_off(cluster, NEW), Front([cluster.server(NEW)]) as front:
         kc = front_kubeconfig(cluster, front, "h1")
         manifest = kc.parent / "podgroup.yaml"
         manifest.write_text(PODGROUP.format(name="pg", ns="h1"))
@@ -408,7 +413,7 @@ def test_exec_attach_and_port_forward_stay_on_http1(cluster: DemoCluster, k) -> 
                          "spec": {"containers": [{"name": "app", "image": "nginx"}]}})
     assert made.status == 201, made
     port = cluster.server(OLD).proxy_port
-    with Front([port]) as front:
+    with Front([cluster.server(OLD)]) as front:
         kc = front_kubeconfig(cluster, front, "streams")
         ran = k(kc, "exec", "web", "-n", "streams", "--", "echo", "hi")
         assert ran.stdout == "hi\n"
@@ -469,25 +474,41 @@ def upstream_connections(port: int) -> int:
 
 @dataclass
 class Hundred:
+    cluster: DemoCluster
     informer: Informer
     front: Front
     upstream_before: int
     synced: list[dict]
 
 
-@pytest.fixture(scope="class")  # stopped before the drain test stops its mvproxy
-def hundred(cluster: DemoCluster, tmp_path_factory) -> Iterator[Hundred]:
+@pytest.fixture(scope="class")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoCluster]:
+    """Real kube-apiservers 1.35.4 and 1.36.3 (one etcd), an mvproxy before each."""
+    binaries = require_binaries(REAL_VERSIONS)
+    with start_real_cluster(tmp_path_factory.mktemp("http2-real"), REAL_VERSIONS, 0,
+                            binaries=binaries) as running:
+        made = request(running, OLD, "POST", "/api/v1/namespaces", direct=True,
+                       body={"apiVersion": "v1", "kind": "Namespace",
+                             "metadata": {"name": "informers"}})
+        assert made.status == 201, made
+        yield running
+
+
+# Class scope: stopped before the drain test stops an mvproxy.
+@pytest.fixture(scope="class", params=["sim", "real"])
+def hundred(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Hundred]:
     binary = informer_binary(INFORMER_VERSION)
+    cluster: DemoCluster = request.getfixturevalue(
+        "cluster" if request.param == "sim" else "real_cluster")
     for index in (7, 42, 99):
-        made = request(cluster, OLD, "POST", "/api/v1/namespaces/informers/configmaps",
-                       direct=True, body={
-                           "apiVersion": "v1", "kind": "ConfigMap",
-                           "metadata": {"name": f"cm-{index}",
-                                        "labels": {"informer": str(index)}}})
+        made = e2e_support.request(  # ``request`` is pytest's here
+            cluster, OLD, "POST", "/api/v1/namespaces/informers/configmaps", direct=True,
+            body={"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": f"cm-{index}", "labels": {"informer": str(index)}}})
         assert made.status == 201, made
     backend = cluster.server(OLD).backend_port
     before = upstream_connections(backend)
-    with Front([cluster.server(OLD).proxy_port]) as front:
+    with Front([cluster.server(OLD)]) as front:
         informer = Informer(
             binary, kubeconfig=front_kubeconfig(cluster, front, "informers"),
             context="front", resource="configmaps", namespace="informers",
@@ -499,7 +520,7 @@ def hundred(cluster: DemoCluster, tmp_path_factory) -> Iterator[Hundred]:
             informer.wait_for("SERVER_VERSION", timeout=SYNC_TIMEOUT)
             synced = [informer.wait_for("SYNCED", timeout=SYNC_TIMEOUT)
                       for _ in range(INFORMERS)]
-            yield Hundred(informer, front, before, synced)
+            yield Hundred(cluster, informer, front, before, synced)
         finally:
             assert informer.stop() == 0
             informer.read_rest()
@@ -511,8 +532,8 @@ class TestHundredInformers:
     """One client-go process, ``INFORMERS`` informers on ConfigMaps, each its own label
     selector (``informer=<its index>``): one watch each, all through one client."""
 
-    def test_every_informer_syncs_over_one_http2_connection(self, cluster: DemoCluster,
-                                                            hundred: Hundred) -> None:
+    def test_every_informer_syncs_over_one_http2_connection(self, hundred: Hundred) -> None:
+        cluster = hundred.cluster
         assert sorted(line["informer"] for line in hundred.synced) == list(range(INFORMERS))
         assert {line["informer"]: line["items"] for line in hundred.synced
                 if line["items"]} == {7: 1, 42: 1, 99: 1}
@@ -535,8 +556,8 @@ class TestHundredInformers:
 
     @pytest.mark.xfail(strict=True, reason="upstream legs are HTTP/1.1: one connection to "
                        "the backend per watch until HTTP/2 upstream lands (issue 23)")
-    def test_the_watches_take_at_most_two_upstream_connections(self, cluster: DemoCluster,
-                                                                hundred: Hundred) -> None:
+    def test_the_watches_take_at_most_two_upstream_connections(self, hundred: Hundred) -> None:
+        cluster = hundred.cluster
         backend = cluster.server(OLD).backend_port
         wait_until(lambda: _gauges(cluster, OLD)["mvproxy_http2_streams"] == INFORMERS,
                    f"{INFORMERS} open HTTP/2 streams")
@@ -594,7 +615,7 @@ def test_sigterm_ends_the_watches_cleanly_and_they_resume_through_the_other_mvpr
     _configmap(cluster, ns, "before")
     binary = informer_binary(INFORMER_VERSION)
     try:
-        with Front([old, new]) as front:
+        with Front([cluster.server(OLD), cluster.server(NEW)]) as front:
             informer = Informer(binary, kubeconfig=front_kubeconfig(cluster, front, "drain"),
                                 context="front", resource="configmaps", namespace=ns,
                                 extra_args=["--informers", str(DRAINED), "--version-first"],
