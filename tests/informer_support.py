@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +79,22 @@ class Informer:
 
     def of_type(self, *kinds: str) -> list[dict[str, Any]]:
         return [line for line in self.lines if line.get("type") in kinds]
+
+    def read_rest(self) -> list[dict[str, Any]]:
+        """After ``stop()``: every line not waited for yet, parsed into ``lines`` too
+        (so ``of_type`` covers the whole run)."""
+        rest = []
+        while True:
+            try:
+                line = self.reader.lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.reader.seen.append(line)
+            rest.append(json.loads(line))
+        self.lines.extend(rest)
+        return rest
 
     def _stderr(self) -> str:
         if self.stderr_path is None or not self.stderr_path.exists():

@@ -38,6 +38,18 @@
 //	BOOKMARK  with --bookmarks only: resourceVersion, initialEventsEnd
 //	STOPPED   last line: reason (signal, stdin, duration, sync-timeout)
 //
+// With --informers N (N > 1) it runs N informers on the resource, each with its own
+// reflector (its own list and watch), all through one client: over HTTP/2 they share
+// one connection, as a controller's informers do. In --label-selector and
+// --field-selector, {i} becomes the informer's index (0 to N-1), so N watches of the
+// same resource can differ. Every line one of them writes carries "informer" (its
+// index), SYNCED comes once per informer, and STOPPED once for all.
+//
+// --version-first asks GET /version (a SERVER_VERSION line: gitVersion) before any
+// informer starts, as a controller's discovery does. Without it, informers started
+// at once find no connection open, and Go's transport dials one per request (then
+// keeps one or two of them for HTTP/2 and closes the rest).
+//
 // With --objects the event lines also carry the whole object. ADDED, MODIFIED and
 // DELETED come from the informer's handler in the informer's order; the request lines
 // come from the reflector's goroutine and may be interleaved with them a little out of
@@ -66,6 +78,8 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -76,8 +90,10 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -88,13 +104,32 @@ var linkedModules = []string{"k8s.io/client-go", "k8s.io/apimachinery", "k8s.io/
 
 const initialEventsEnd = "k8s.io/initial-events-end"
 
-// out writes one JSON line per call; safe from any goroutine.
+// out writes one JSON line per call; safe from any goroutine. One made by tagged
+// adds its fields to every line and writes through the out it was made from.
 type out struct {
-	mu sync.Mutex
-	w  io.Writer
+	mu     sync.Mutex
+	w      io.Writer
+	parent *out
+	fields map[string]any
+}
+
+// tagged: an out whose lines also carry fields (one informer's index among several).
+func (o *out) tagged(fields map[string]any) *out {
+	return &out{parent: o, fields: fields}
 }
 
 func (o *out) emit(kind string, fields map[string]any) {
+	if o.parent != nil {
+		merged := make(map[string]any, len(o.fields)+len(fields))
+		for k, v := range o.fields {
+			merged[k] = v
+		}
+		for k, v := range fields {
+			merged[k] = v
+		}
+		o.parent.emit(kind, merged)
+		return
+	}
 	line := map[string]any{"type": kind, "ts": time.Now().UTC().Format(time.RFC3339Nano)}
 	for k, v := range fields {
 		line[k] = v
@@ -351,7 +386,9 @@ type options struct {
 	labelSelector, fieldSelector        string
 	userAgent                           string
 	duration, resync, syncTimeout       time.Duration
+	informers                           int
 	exitOnStdinEOF, bookmarks, objects  bool
+	versionFirst                        bool
 	printVersion                        bool
 }
 
@@ -369,10 +406,12 @@ func parseFlags() options {
 	flag.StringVar(&opts.userAgent, "user-agent", "", "User-Agent (default: mvproxy-informer/<client-go version> (<os>/<arch>))")
 	flag.DurationVar(&opts.duration, "duration", 0, "stop after this long (0: run until a signal)")
 	flag.DurationVar(&opts.resync, "resync", 0, "informer resync period (0: never)")
+	flag.IntVar(&opts.informers, "informers", 1, "run this many informers on the resource through one client; {i} in the selectors becomes each one's index")
 	flag.DurationVar(&opts.syncTimeout, "sync-timeout", 0, "stop with exit status 1 if the cache has not synced by then (0: wait)")
 	flag.BoolVar(&opts.exitOnStdinEOF, "exit-on-stdin-eof", false, "stop when stdin is closed")
 	flag.BoolVar(&opts.bookmarks, "bookmarks", false, "report watch bookmarks")
 	flag.BoolVar(&opts.objects, "objects", false, "include the whole object in ADDED, MODIFIED and DELETED lines")
+	flag.BoolVar(&opts.versionFirst, "version-first", false, "GET /version once before the informers start (one connection for all of them)")
 	flag.BoolVar(&opts.printVersion, "client-go-version", false, "print the k8s.io modules linked in and exit")
 	flag.Parse()
 	return opts
@@ -396,6 +435,9 @@ func run(opts options, o *out) int {
 	if opts.resource == "" || opts.version == "" || flag.NArg() > 0 {
 		return fail(errors.New("usage: informer --resource R [--group G] [--version V] (see --help)"))
 	}
+	if opts.informers < 1 {
+		return fail(errors.New("--informers must be at least 1"))
+	}
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = opts.kubeconfig
 	config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules,
@@ -408,21 +450,94 @@ func run(opts options, o *out) int {
 		config.UserAgent = fmt.Sprintf("mvproxy-informer/%s (%s/%s)",
 			linkedVersion("k8s.io/client-go"), runtime.GOOS, runtime.GOARCH)
 	}
-	client, err := dynamic.NewForConfig(config)
+	httpClient, err := rest.HTTPClientFor(config)
+	if err != nil {
+		return fail(fmt.Errorf("HTTP client: %w", err))
+	}
+	client, err := dynamic.NewForConfigAndClient(config, httpClient)
 	if err != nil {
 		return fail(fmt.Errorf("dynamic client: %w", err))
+	}
+	if opts.versionFirst {
+		discoveryClient, err := discovery.NewDiscoveryClientForConfigAndClient(config, httpClient)
+		if err != nil {
+			return fail(fmt.Errorf("discovery client: %w", err))
+		}
+		info, err := discoveryClient.ServerVersion()
+		if err != nil {
+			return fail(fmt.Errorf("server version: %w", err))
+		}
+		o.emit("SERVER_VERSION", map[string]any{"gitVersion": info.GitVersion})
 	}
 
 	ctx, end, reason := stopContext(opts)
 	defer end("done")
 
 	gvr := schema.GroupVersionResource{Group: opts.group, Version: opts.version, Resource: opts.resource}
-	tweak := func(list *metav1.ListOptions) {
-		if opts.labelSelector != "" {
-			list.LabelSelector = opts.labelSelector
+	informers := make([]cache.SharedIndexInformer, opts.informers)
+	outs := make([]*out, opts.informers)
+	for i := range informers {
+		outs[i] = o
+		if opts.informers > 1 {
+			outs[i] = o.tagged(map[string]any{"informer": i})
 		}
-		if opts.fieldSelector != "" {
-			list.FieldSelector = opts.fieldSelector
+		informer, err := newInformer(client, gvr, opts, i, outs[i])
+		if err != nil {
+			return fail(err)
+		}
+		informers[i] = informer
+	}
+
+	informerStop := make(chan struct{})
+	var running sync.WaitGroup
+	for _, informer := range informers {
+		running.Add(1)
+		go func() {
+			defer running.Done()
+			informer.Run(informerStop)
+		}()
+	}
+	ran := make(chan struct{})
+	go func() {
+		running.Wait()
+		close(ran)
+	}()
+
+	code := 0
+	syncCtx := ctx
+	if opts.syncTimeout > 0 {
+		var cancel context.CancelFunc
+		syncCtx, cancel = context.WithTimeout(ctx, opts.syncTimeout)
+		defer cancel()
+	}
+	if waitForSyncs(syncCtx, informers, outs) {
+		<-ctx.Done()
+	} else if ctx.Err() == nil {
+		end("sync-timeout")
+		code = 1
+	}
+	close(informerStop)
+	select {
+	case <-ran:
+	case <-time.After(5 * time.Second):
+	}
+	o.emit("STOPPED", map[string]any{"reason": reason()})
+	return code
+}
+
+// newInformer: informer i of opts.informers on gvr, reporting to o; {i} in the
+// selectors is its index.
+func newInformer(client dynamic.Interface, gvr schema.GroupVersionResource, opts options,
+	i int, o *out) (cache.SharedIndexInformer, error) {
+	index := strconv.Itoa(i)
+	labelSelector := strings.ReplaceAll(opts.labelSelector, "{i}", index)
+	fieldSelector := strings.ReplaceAll(opts.fieldSelector, "{i}", index)
+	tweak := func(list *metav1.ListOptions) {
+		if labelSelector != "" {
+			list.LabelSelector = labelSelector
+		}
+		if fieldSelector != "" {
+			list.FieldSelector = fieldSelector
 		}
 	}
 	informer := dynamicinformer.NewFilteredDynamicInformer(
@@ -431,7 +546,7 @@ func run(opts options, o *out) int {
 	if err := informer.SetWatchErrorHandler(func(_ *cache.Reflector, err error) {
 		o.emit("ERROR", errorFields(err, nil))
 	}); err != nil {
-		return fail(err)
+		return nil, err
 	}
 	event := func(kind string, obj any, extra map[string]any) {
 		fields := objectFields(obj, opts.objects)
@@ -459,38 +574,31 @@ func run(opts options, o *out) int {
 			event("DELETED", obj, extra)
 		},
 	}); err != nil {
-		return fail(err)
+		return nil, err
 	}
+	return informer, nil
+}
 
-	informerStop := make(chan struct{})
-	ran := make(chan struct{})
-	go func() {
-		defer close(ran)
-		informer.Run(informerStop)
-	}()
-
-	code := 0
-	syncCtx := ctx
-	if opts.syncTimeout > 0 {
-		var cancel context.CancelFunc
-		syncCtx, cancel = context.WithTimeout(ctx, opts.syncTimeout)
-		defer cancel()
+// waitForSyncs: each informer's SYNCED line as its cache syncs; true once all have,
+// false if ctx ends first.
+func waitForSyncs(ctx context.Context, informers []cache.SharedIndexInformer, outs []*out) bool {
+	results := make(chan bool, len(informers))
+	for i, informer := range informers {
+		go func() {
+			synced := cache.WaitForCacheSync(ctx.Done(), informer.HasSynced)
+			if synced {
+				outs[i].emit("SYNCED", map[string]any{
+					"resourceVersion": informer.LastSyncResourceVersion(),
+					"items":           len(informer.GetStore().ListKeys())})
+			}
+			results <- synced
+		}()
 	}
-	if cache.WaitForCacheSync(syncCtx.Done(), informer.HasSynced) {
-		o.emit("SYNCED", map[string]any{"resourceVersion": informer.LastSyncResourceVersion(),
-			"items": len(informer.GetStore().ListKeys())})
-		<-ctx.Done()
-	} else if ctx.Err() == nil {
-		end("sync-timeout")
-		code = 1
+	all := true
+	for range informers {
+		all = <-results && all
 	}
-	close(informerStop)
-	select {
-	case <-ran:
-	case <-time.After(5 * time.Second):
-	}
-	o.emit("STOPPED", map[string]any{"reason": reason()})
-	return code
+	return all
 }
 
 func linkedVersion(path string) string {

@@ -131,3 +131,22 @@ func TestServerErrorBeforeCancellationIsReported(t *testing.T) {
 		t.Fatalf("want the 500 reported, got %v", errs)
 	}
 }
+
+func TestTaggedLinesCarryTheInformersIndex(t *testing.T) {
+	// --informers N: every line of informer i says so, through the one shared writer.
+	var buf bytes.Buffer
+	shared := &out{w: &buf}
+	shared.tagged(map[string]any{"informer": 3}).emit("SYNCED", map[string]any{"items": 2})
+	shared.emit("STOPPED", map[string]any{"reason": "stdin"})
+
+	docs := lines(t, &buf)
+	if len(docs) != 2 {
+		t.Fatalf("want two lines, got %v", docs)
+	}
+	if docs[0]["type"] != "SYNCED" || docs[0]["informer"] != float64(3) || docs[0]["items"] != float64(2) {
+		t.Fatalf("want SYNCED of informer 3 with its items, got %v", docs[0])
+	}
+	if _, tagged := docs[1]["informer"]; tagged || docs[1]["type"] != "STOPPED" {
+		t.Fatalf("want an untagged STOPPED, got %v", docs[1])
+	}
+}
