@@ -17,12 +17,12 @@ and says how many connections it dialled. After each step the proxy's RSS
 
 Cases, each a fresh ``mvproxy run`` (mTLS in, front-proxy client certificate out):
 
-- **a**: HTTP/1.1 on both legs (``listener.http2: false``, client ``-h1``): one
-  downstream and one upstream connection per watch;
-- **b**: HTTP/2 downstream (the default listener), HTTP/1.1 upstream;
+- **a**: HTTP/1.1 on both legs (``listener.http2: false``, ``upstreamHTTP2: off``,
+  client ``-h1``): one downstream and one upstream connection per watch;
+- **b**: HTTP/2 downstream, HTTP/1.1 upstream (``upstreamHTTP2: off``);
 - **c**: HTTP/2 on both legs: case b plus ``--upstream-http2`` (a config override,
-  ``KEY=VALUE`` with a dotted key). Skipped, and said so, when mvproxy refuses the key
-  (it exits 2 naming an unknown key).
+  ``KEY=VALUE`` with a dotted key; default ``upstreamHTTP2=longRunning``). Skipped, and
+  said so, when mvproxy refuses the key (it exits 2 naming an unknown key).
 
 ``--set KEY=VALUE`` overrides any config key in every case (values are YAML). A
 step the open-file limit cannot hold (HTTP/1.1 needs two descriptors per watch in
@@ -200,7 +200,8 @@ def measure_case(args: argparse.Namespace, work: Path, case: str, binary: Path,
     doc = {**devpki.sidecar_config(pki, backend, port, admin),
            "logging": {"verbosity": 1},
            "listener": {"idleTimeout": "1h", "maxConnections": fd_limit - FD_RESERVE,
-                        "http2": not h1}}
+                        "http2": not h1},
+           "upstreamHTTP2": "off"}  # case c turns it on (``--upstream-http2``)
     overrides = parse_overrides(args.set + (args.upstream_http2 if case == "c" else []))
     apply(doc, overrides)
     proxy, refused = start_mvproxy(work, case, doc, procs, admin)
@@ -358,12 +359,12 @@ def main() -> int:
                         help="config override for every case (dotted key, YAML value)")
     parser.add_argument("--upstream-http2", action="append", default=None, metavar="KEY=VALUE",
                         help="the override that turns HTTP/2 upstream on, case c only "
-                             "(default backend.http2=true)")
+                             "(default upstreamHTTP2=longRunning, mvproxy's default)")
     parser.add_argument("--step-timeout", type=float, default=600.0)
     parser.add_argument("--timeout", type=float, default=3000.0)
     parser.add_argument("--quick", action="store_true", help="200 and 500 watches, 100 idle")
     args = parser.parse_args()
-    args.upstream_http2 = args.upstream_http2 or ["backend.http2=true"]
+    args.upstream_http2 = args.upstream_http2 or ["upstreamHTTP2=longRunning"]
     if args.quick:
         args.steps, args.idle, args.hold = "200,500", 100, 3.0
     if (os.cpu_count() or 1) < 2:

@@ -196,6 +196,9 @@ async def test_max_connections_bounds_requests_over_http2_too(aiohttp_server, ro
         # The start-up check's probe of the port counts until its deadline: let it go.
         await c.until(lambda: _open_connections_are(c, 0), "no connection open")
         async with await RawH2.open(c.port, h2_context(c, "admin")) as conn:
+            # One answer first: the connection is then counted once, not also as the
+            # handshake that its first frames arrive with.
+            assert (await conn.response(conn.request(NAMESPACES))).status == 200
             held = [conn.request("/api/v1/namespaces/default/secrets") for _ in range(3)]
             await c.until(lambda: _streams_at_least(c, 3), "three requests in flight")
             refused = await conn.response(conn.request(NAMESPACES))  # 1 + 3: the limit
