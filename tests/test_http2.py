@@ -216,3 +216,33 @@ async def _streams_at_least(c: Cluster, n: int) -> bool:
 
 async def _open_connections_are(c: Cluster, n: int) -> bool:
     return await c.metric("mvproxy_open_connections") == n
+
+
+async def test_goaway_chance_ends_the_connection_after_the_answer(aiohttp_server, root,
+                                                                 monkeypatch):
+    """``goawayChance``: the answer comes whole, then GOAWAY(NO_ERROR) naming its stream,
+    and the connection closes; the client reconnects (to any mvproxy)."""
+    import mvproxy.http2
+
+    monkeypatch.setattr(mvproxy.http2.random, "random", lambda: 0.0)  # always, here
+    async with cluster(aiohttp_server, root, listener={"goawayChance": 0.02}) as c:
+        async with await RawH2.open(c.port, h2_context(c, "admin")) as conn:
+            sid = conn.request(NAMESPACES)
+            answer = await conn.response(sid)
+            assert answer.status == 200 and answer.ended
+            assert await conn.goaway_code() == ErrorCodes.NO_ERROR
+            assert conn.goaway is not None and conn.goaway.last_stream_id == sid
+            assert await conn.closed_with() == ErrorCodes.NO_ERROR
+        assert await c.metric("mvproxy_http2_goaways_total", reason="goaway_chance") == 1
+
+
+async def test_the_status_document_counts_connections_by_protocol(aiohttp_server, root):
+    async with cluster(aiohttp_server, root) as c, client(c) as http:
+        assert (await http.get(NAMESPACES)).status_code == 200
+        assert (await c.get(NAMESPACES))[0] == 200  # and one over HTTP/1.1, kept alive
+        _, text = await c.admin_get("/debug/mvproxy/peers")
+        counted = json.loads(text)["connections"]
+        assert counted["downstreamHTTP2"] == 1
+        assert counted["downstreamHTTP1"] >= 1
+        _, page = await c.admin_get("/")
+        assert 'id="connections"' in page and "1 HTTP/2 connections" in page

@@ -87,6 +87,22 @@ async def test_many_watches_share_one_upstream_connection(root):
         assert backend.most_streams == 60
 
 
+async def test_the_gauges_count_upstream_http2_connections_and_streams(root):
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        watches = [await session.get(f"{base}{WATCH}&g={i}",
+                                     timeout=aiohttp.ClientTimeout(total=WAIT))
+                   for i in range(5)]
+        try:
+            await _until(lambda: backend.open_streams == 5, "five watches upstream")
+            families = {f.name: f for f in daemon.metrics.registry.collect()}
+            assert families["mvproxy_upstream_http2_connections"].samples[0].value == 1
+            assert families["mvproxy_upstream_http2_streams"].samples[0].value == 5
+        finally:
+            for watch in watches:
+                watch.close()
+        await _until(lambda: backend.open_streams == 0, "the watches to end upstream")
+
+
 async def test_past_the_servers_stream_limit_a_second_connection_opens(root):
     async with h2_backend(root, max_streams=10) as backend, \
             proxy(root, backend) as (base, session, _):
