@@ -47,6 +47,7 @@ from jh2.settings import SettingCodes, Settings
 
 from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.logs import V, kv
+from mvproxy.tls import current_context
 from mvproxy.transport import Pool, UpstreamConnection
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,13 @@ class UpstreamSession:
     # ---------------------------------------------------------------- for the pool
 
     def can_open(self) -> bool:
+        """Room for one more request, on a connection made with the client certificate
+        in use now (kube-apiserver checks it on every request: one a reload replaced
+        would get 401 once it expires; the streams already open finish)."""
+        h2_context = self.pool.upstream.h2_context
+        if h2_context is not None and current_context(h2_context) is not self.context:
+            self.close()
+            return False
         return (not self.going_away and not self.closed and self.carrying < min(
             MAX_STREAMS, self.h2.remote_settings.max_concurrent_streams))
 

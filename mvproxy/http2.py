@@ -189,12 +189,6 @@ class Session:
         except ProtocolError as exc:  # jh2 queued the GOAWAY already
             self._defend("protocol_error", str(exc)[:120])
             return
-        if self.splitter.received:  # the client leaves: its open streams finish
-            self.splitter.received.clear()
-            if not self._spend():
-                return
-            self.goaway_sent = True  # nothing new is taken; closed once they did
-            self.loop.call_soon(self._close_when_done)
         for event in events:
             if self.closed:
                 return
@@ -236,6 +230,12 @@ class Session:
                           UnknownFrameReceived):
                 if not self._spend():
                     return
+        if self.splitter.received:  # the client leaves: the streams it opened finish
+            self.splitter.received.clear()  # (those of this read too, taken above)
+            if not self._spend():
+                return
+            self.goaway_sent = True  # nothing new is taken; closed once they did
+            self.loop.call_soon(self._close_when_done)
         self.flush()
 
     def _spend(self) -> bool:

@@ -175,3 +175,17 @@ async def test_a_dead_upstream_connection_ends_its_watches_and_the_next_one_work
                         pass
         assert await _events(session, f"{base}{WATCH}&again=1", 2) == [0, 1]
         assert backend.connections["h2"] == 2
+
+
+async def test_after_a_certificate_reload_new_watches_take_a_new_connection(root):
+    """kube-apiserver checks the client certificate on every request: once a reload
+    replaced it, the old session carries what it has and no new request."""
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        async with session.get(base + WATCH, timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+            assert json.loads(await r.content.readline())["n"] == 0
+            front = root / "a" / "front-proxy-client"
+            daemon.proxy.backend.h2_context.context = tls.client_context(
+                root / "ca.crt", f"{front}.crt", f"{front}.key", http2=True)
+            assert await _events(session, f"{base}{WATCH}&after=1", 1) == [0]
+            assert json.loads(await r.content.readline())["n"] == 1  # the old one goes on
+        assert backend.connections["h2"] == 2
