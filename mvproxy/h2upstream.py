@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections import deque
 from typing import Any, cast
 
@@ -83,6 +84,7 @@ class UpstreamSession:
         self.streams: dict[int, UpstreamStream] = {}
         self.carrying = 0
         """Requests on this connection, sent or about to be."""
+        self.idle_since = time.monotonic()
         self.going_away = False
         self.closed = False
         self.paused = False
@@ -103,6 +105,9 @@ class UpstreamSession:
         h2_context = self.pool.upstream.h2_context
         if h2_context is not None and current_context(h2_context) is not self.context:
             self.close()
+            return False
+        if not self.carrying and time.monotonic() - self.idle_since > self.pool.idle_expiry:
+            self.close()  # as an idle HTTP/1.1 connection: the server may be closing it
             return False
         return (not self.going_away and not self.closed and self.carrying < min(
             MAX_STREAMS, self.h2.remote_settings.max_concurrent_streams))
@@ -229,6 +234,8 @@ class UpstreamSession:
         if stream.counted:
             stream.counted = False
             self.carrying -= 1
+            if not self.carrying:
+                self.idle_since = time.monotonic()
         self._close_when_done()
 
     def _close_when_done(self) -> None:

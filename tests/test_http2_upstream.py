@@ -189,3 +189,15 @@ async def test_after_a_certificate_reload_new_watches_take_a_new_connection(root
             assert await _events(session, f"{base}{WATCH}&after=1", 1) == [0]
             assert json.loads(await r.content.readline())["n"] == 1  # the old one goes on
         assert backend.connections["h2"] == 2
+
+
+async def test_a_session_idle_past_the_pools_expiry_is_not_reused(root):
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        assert await _events(session, base + WATCH, 1) == [0]
+        await _until(lambda: backend.open_streams == 0, "the watch to end upstream")
+        for pool in daemon.transport._pools.values():
+            pool.idle_expiry = 0.5  # 30 s by default
+        await asyncio.sleep(0.6)
+        assert await _events(session, f"{base}{WATCH}&later=1", 1) == [0]
+        assert backend.connections["h2"] == 2
+        await _until(lambda: len(backend.sessions) == 1, "the idle session to be closed")
