@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 from collections import deque
 from typing import Any, cast
@@ -56,6 +57,9 @@ STREAM_WINDOW = 16 * 1024
 watch whose client stopped reading holds, at most, on this leg."""
 MAX_STREAMS = 100
 """Streams per connection mvproxy opens at most, whatever the server allows."""
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+_BAD_VALUE = re.compile(rb"[\r\n\x00]")
+_STATUS = re.compile(rb"[0-9]{3}\Z")
 _HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                   b"upgrade", b"host", b"te"))
 
@@ -348,10 +352,14 @@ class UpstreamStream(asyncio.Transport):
 
     def interim(self, headers: list[tuple[bytes, bytes]]) -> None:
         status = next((v for n, v in headers if n == b":status"), b"100")
+        if self._malformed(headers):
+            return
         self._feed(b"HTTP/1.1 " + status + b" \r\n" + _lines(headers) + b"\r\n")
 
     def head(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         status = next((v for n, v in headers if n == b":status"), b"")
+        if self._malformed(headers):
+            return
         lines = _lines(headers)
         framing = b""
         if not any(n == b"content-length" for n, _ in headers) \
@@ -373,12 +381,39 @@ class UpstreamStream(asyncio.Transport):
             self._feed(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     def end(self, trailers: list[tuple[bytes, bytes]]) -> None:
-        if self.ended:
+        if self.ended or self._malformed(trailers):
             return
         if self.chunked:
             self._feed(b"0\r\n" + _lines(trailers) + b"\r\n")
         self.ended = True
         self.session.forget(self)
+
+    def _malformed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether the server's fields could read differently as the HTTP/1.1 they
+        are written as (jh2 checks no value for CR, LF or NUL, no name beyond
+        uppercase, no ``:status``): then the stream is reset and its request ends as
+        one whose connection broke, the fields never fed to the parser."""
+        why = ""
+        for name, value in headers:
+            if _BAD_VALUE.search(value):
+                why = "a field value holds CR, LF or NUL"
+            elif name == b":status":
+                why = "" if _STATUS.match(value) else ":status is not three digits"
+            elif not _TOKEN.match(name):
+                why = "a field name is not a token"
+            if why:
+                break
+        if not why:
+            return False
+        session = self.session
+        log.log(V(2), "upstream HTTP/2 answer malformed", extra=kv(
+            upstream=session.pool.upstream.name, error=why))
+        if not self.ended and not session.closed:
+            with contextlib.suppress(ProtocolError):
+                session.h2.reset_stream(self.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            session.flush()
+        self.lost()
+        return True
 
     def lost(self, *, refused: bool = False) -> None:
         """The stream or its connection ended before the answer did; ``refused``: the

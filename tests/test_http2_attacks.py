@@ -1,0 +1,213 @@
+"""An attacker's cases against the HTTP/2 code, both legs: a hostile upstream (a
+backend or peer speaking HTTP/2 to mvproxy's upstream sessions, ``h2upstream``) and
+hostile clients (``http2``).
+
+Each case asserts what the client sees, then that the daemon is healthy: the next
+watch over HTTP/2 upstream is served, nothing was logged at ERROR (an exception that
+escaped into asyncio is logged there), and no upstream stream is left open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import ssl
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+from daemon_support import WAIT
+from h2_support import RawH2
+from h2_upstream_support import _H2, Backend, h2_backend
+from hyperframe.frame import DataFrame, PingFrame
+from test_http2_upstream import WATCH, _events, _until, proxy
+
+from mvproxy import h2upstream, tls
+
+HOSTILE = WATCH + "&hostile="
+
+
+def _failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def healthy(base: str, session: aiohttp.ClientSession, daemon, backend: Backend,
+                  caplog: pytest.LogCaptureFixture, what: object) -> None:
+    """The next watch is served over HTTP/2, nothing was logged at ERROR, and every
+    upstream stream ended."""
+    assert await _events(session, f"{base}{WATCH}&healthy=1", 2) == [0, 1], what
+    await _until(lambda: daemon.transport.http2_sessions()[1] == 0,
+                 f"every upstream stream of {what!r} to end")
+    assert not _failures(caplog), (what, _failures(caplog))
+
+
+async def _answer(session: aiohttp.ClientSession, url: str) -> tuple[int, dict, bytes]:
+    """Status, headers and body the HTTP/1.1 client got (status 0: the answer broke)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+            headers = {k.lower(): v for k, v in r.headers.items()}
+            try:
+                body = await r.read()
+            except aiohttp.ClientPayloadError:
+                return 0, headers, b""
+            return r.status, headers, body
+    except aiohttp.ClientResponseError:
+        return 0, {}, b""
+
+
+# --------------------------------------------------------------------------- a hostile upstream
+
+
+def _head(*fields: tuple[bytes, bytes], status: bytes = b"200", body: bytes = b"{}\n"):
+    """A hostile answer: a head exactly as given, a body, END_STREAM."""
+    async def answer(h2: _H2, sid: int) -> None:
+        h2.head(sid, [(b":status", status), *fields])
+        h2.raw(DataFrame(sid, body, flags=["END_STREAM"]))
+    return answer
+
+
+def _trailers(*fields: tuple[bytes, bytes]):
+    async def answer(h2: _H2, sid: int) -> None:
+        h2.head(sid, [(b":status", b"200"), (b"content-type", b"application/json")])
+        h2.raw(DataFrame(sid, b"{}\n"))
+        h2.head(sid, list(fields), end_stream=True)
+    return answer
+
+
+def _interim(*fields: tuple[bytes, bytes]):
+    async def answer(h2: _H2, sid: int) -> None:
+        h2.head(sid, [(b":status", b"103"), *fields])
+        await _head()(h2, sid)
+    return answer
+
+
+INJECTED = b"x-injected"
+HEADS = {
+    # name: the hostile answer; the client must never see INJECTED as a header of its own
+    "CR LF in a value": _head((b"x-a", b"1\r\nx-injected: 1")),
+    "LF in a value": _head((b"x-a", b"1\nx-injected: 1")),
+    "CR LF CR LF in a value (a second response)": _head(
+        (b"x-a", b"1\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK\r\nx-injected: 1")),
+    "NUL in a value": _head((b"x-a", b"1\x00x-injected: 1")),
+    "CR LF in :status": _head(status=b"200 OK\r\nx-injected: 1\r\nx-b:"),
+    ":status of two digits": _head(status=b"20"),
+    ":status of four digits": _head(status=b"2000"),
+    ":status not digits": _head(status=b"abc"),
+    "a name with a space": _head((b"x-injected: 1\r\nx-a", b"1")),
+    "a name with a colon": _head((b"x-injected:1", b"1")),
+    "CR LF in a trailer": _trailers((b"x-t", b"1\r\nx-injected: 1")),
+    "a trailer name with CR LF": _trailers((b"x-injected: 1\r\nx-t", b"1")),
+    "CR LF in an interim answer": _interim((b"x-a", b"1\r\nx-injected: 1")),
+    "a body after 204 (a second response)": _head(
+        status=b"204", body=b"HTTP/1.1 200 OK\r\nx-injected: 1\r\ncontent-length: 0\r\n\r\n"),
+    "a body after 304": _head(status=b"304", body=b"HTTP/1.1 200 OK\r\nx-injected: 1\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+async def test_a_response_head_http11_could_read_differently_is_a_broken_response(
+        root, caplog, name):
+    """jh2 checks neither header values nor names for CR, LF and NUL, nor ``:status``:
+    the head is written as HTTP/1.1 bytes into mvproxy's own parser, so a hostile
+    upstream's field became headers (or a second response) of its choosing."""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        backend.hostile["hostile=1"] = HEADS[name]
+        status, headers, body = await _answer(session, base + HOSTILE + "1")
+        assert INJECTED.decode() not in headers, (name, headers)
+        # 0: the answer was cut (a trailer); a 204 or 304 is answered without its DATA
+        assert status in (0, 502) or (status in (204, 304) and body == b""), (name, status)
+        await healthy(base, session, daemon, backend, caplog, name)
+
+
+def _ctx(root) -> ssl.SSLContext:
+    ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    return ctx
+
+
+def _stalled(backend: Backend) -> bool:
+    """A stream of the backend's waits for mvproxy's window."""
+    for h2 in backend.sessions:
+        for sid in list(h2.tasks):
+            with contextlib.suppress(Exception):
+                if h2.conn.local_flow_control_window(sid) <= 0:
+                    return True
+    return False
+
+
+async def test_streams_left_while_their_reader_stalled_give_their_window_back(
+        root, caplog, monkeypatch):
+    """A stream whose downstream stopped reading holds its DATA uncredited; when its
+    client left, those bytes were never credited on the connection either, so each
+    such watch took up to ``STREAM_WINDOW`` from the connection's window for good: a
+    token client that opens watches, stops reading and leaves starved every request
+    sharing that upstream connection. (``MAX_STREAMS`` 2 makes the connection's window
+    98 KB: a few such clients spend it, as ~100 do by default.)"""
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setattr(h2upstream, "MAX_STREAMS", 2)
+    async with h2_backend(root) as backend, \
+            proxy(root, backend, upstreamHTTP2="all") as (base, session, daemon):
+        port = urlsplit(base).port
+        assert port is not None
+        async with await RawH2.open(port, _ctx(root), settings={0x4: 0}) as client:
+            for i in range(12):  # each leaves up to 16 KB uncredited
+                sid = client.request(f"/big?n=400000&i={i}")
+                await _until(lambda: _stalled(backend), f"stream {i} to stall upstream")
+                client.reset(sid)
+                await _until(lambda: daemon.transport.http2_sessions()[1] == 0,
+                             f"stream {i} to end upstream")
+        assert backend.connections["h2"] == 1
+        async with session.get(base + "/big?n=300000",
+                               timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+            assert r.status == 200 and len(await r.read()) == 300_000
+        assert backend.connections["h2"] == 1  # the same connection carried it
+        await healthy(base, session, daemon, backend, caplog, "stalled streams left")
+
+
+async def test_an_upstream_allowing_no_stream_is_not_dialled_again_and_again(root, caplog):
+    """``SETTINGS_MAX_CONCURRENT_STREAMS`` 0: each watch dialled new connections
+    (up to ``MAX_DIAL_ROUNDS``) that could carry nothing, and kept every one open in
+    the pool, for as long as the upstream kept them: a connection (TLS, jh2 state) per
+    dial, held by mvproxy, and a longer list walked by every later request."""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root, max_streams=0) as backend, \
+            proxy(root, backend) as (base, session, daemon):
+        for i in range(5):
+            status, _, body = await _answer(session, f"{base}{WATCH}&i={i}")
+            assert status == 200 and json.loads(body)["protocol"] == "http/1.1", body[:200]
+        assert backend.connections["h2"] <= 1, backend.connections
+        await _until(lambda: daemon.transport.http2_sessions()[0] == 0,
+                     "the connection that carries nothing to close")
+        assert not _failures(caplog)
+
+
+def _ping_flood(count: int):
+    """Reads nothing while it sends ``count`` PINGs: mvproxy queues an ACK for each."""
+    async def answer(h2: _H2, sid: int) -> None:
+        h2.conn.send_headers(sid, [(":status", "200")])
+        h2.flush()
+        h2.writer.transport.pause_reading()
+        try:
+            for i in range(count // 1000):
+                h2.raw(*(PingFrame(0, (i * 1000 + j).to_bytes(8, "big")) for j in range(1000)))
+                await h2.writer.drain()
+        finally:
+            h2.writer.transport.resume_reading()
+        h2.raw(DataFrame(sid, b"{}\n", flags=["END_STREAM"]))
+    return answer
+
+
+async def test_an_upstream_flooding_control_frames_loses_its_connection(root, caplog):
+    """PING (and SETTINGS) each make mvproxy write an ACK, whether or not the upstream
+    reads them: a hostile upstream that floods them and reads nothing grew mvproxy's
+    write buffer without bound (the downstream side has a budget, the upstream had
+    none)."""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        backend.hostile["hostile=ping"] = _ping_flood(20_000)
+        status, _, body = await _answer(session, base + HOSTILE + "ping")
+        assert status == 0, (status, body[:200])  # the watch broke with its connection
+        await healthy(base, session, daemon, backend, caplog, "PING flood")
+        assert backend.connections["h2"] == 2
