@@ -222,6 +222,13 @@ class UpstreamSession:
     def forget(self, stream: UpstreamStream) -> None:
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
+        if stream.unacknowledged and not self.closed:
+            # What arrived while its reader stalled: the stream is over, but those
+            # bytes still count against the connection's window, every stream's.
+            with contextlib.suppress(ProtocolError):
+                self.h2.acknowledge_received_data(stream.unacknowledged, stream.stream_id)
+            stream.unacknowledged = 0
+            self.flush()
         if stream.counted:
             stream.counted = False
             self.carrying -= 1

@@ -320,6 +320,15 @@ class Session:
         """``stream`` is over on the wire (ended, reset or refused)."""
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
+        if stream.unacknowledged and not self.closed:
+            # Body bytes held while its consumer stalled: they count against the
+            # connection's window too, and the stream will never credit them.
+            try:
+                self.h2.acknowledge_received_data(stream.unacknowledged, stream.stream_id)
+            except ProtocolError:
+                pass
+            stream.unacknowledged = 0
+            self.flush()
         if stream.last and not self.goaway_sent:
             self.stats.goaways[stream.last] = self.stats.goaways.get(stream.last, 0) + 1
             self._goaway(ErrorCodes.NO_ERROR)

@@ -153,7 +153,7 @@ async def test_streams_left_while_their_reader_stalled_give_their_window_back(
         assert port is not None
         async with await RawH2.open(port, _ctx(root), settings={0x4: 0}) as client:
             for i in range(12):  # each leaves up to 16 KB uncredited
-                sid = client.request(f"/big?n=400000&i={i}")
+                sid = client.request(f"/big?i={i}&n=400000")
                 await _until(lambda: _stalled(backend), f"stream {i} to stall upstream")
                 client.reset(sid)
                 await _until(lambda: daemon.transport.http2_sessions()[1] == 0,
