@@ -26,6 +26,7 @@ import contextlib
 import logging
 import re
 import ssl
+import time
 from collections import deque
 from typing import Any, cast
 
@@ -48,7 +49,7 @@ from jh2.settings import SettingCodes, Settings
 
 from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.logs import V, kv
-from mvproxy.transport import Pool, UpstreamConnection
+from mvproxy.transport import H2_RETRY_AFTER, Pool, UpstreamConnection
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,11 @@ class UpstreamSession:
             elif kind is WindowUpdated:
                 self._send_waiting()
             elif kind is RemoteSettingsChanged:
+                if not self.h2.remote_settings.max_concurrent_streams:
+                    # It takes no stream: new requests go over HTTP/1.1 for a while, not
+                    # to one more connection that carries nothing (and stays open).
+                    self.pool.h2_refused_until = time.monotonic() + H2_RETRY_AFTER
+                    self.close()
                 if not self.ready.done():
                     self.ready.set_result(None)
                 self._send_waiting()
