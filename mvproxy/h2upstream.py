@@ -37,11 +37,14 @@ from jh2.errors import ErrorCodes
 from jh2.events import (
     DataReceived,
     InformationalResponseReceived,
+    PingReceived,
+    PriorityUpdated,
     RemoteSettingsChanged,
     ResponseReceived,
     StreamEnded,
     StreamReset,
     TrailersReceived,
+    UnknownFrameReceived,
     WindowUpdated,
 )
 from jh2.exceptions import ProtocolError
@@ -58,9 +61,17 @@ STREAM_WINDOW = 16 * 1024
 watch whose client stopped reading holds, at most, on this leg."""
 MAX_STREAMS = 100
 """Streams per connection mvproxy opens at most, whatever the server allows."""
+CONTROL_BUDGET = 1_000
+"""Frames that carry no answer (PING, SETTINGS, PRIORITY, unknown types, empty DATA,
+interim answers) a server may send in a burst; ``CONTROL_REFILL`` per second come back.
+Each PING and SETTINGS makes mvproxy write an ACK, read or not: past the budget the
+connection is broken (as ``http2.CONTROL_BUDGET`` for clients)."""
+CONTROL_REFILL = 100.0
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _STATUS = re.compile(rb"[0-9]{3}\Z")
+_CONTROL = frozenset((PingReceived, PriorityUpdated, RemoteSettingsChanged,
+                      UnknownFrameReceived, InformationalResponseReceived))
 _HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                   b"upgrade", b"host", b"te"))
 
@@ -93,6 +104,8 @@ class UpstreamSession:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.splitter = GoawaySplitter(preface=False)
         self._waiting: list[UpstreamStream] = []
+        self.budget = float(CONTROL_BUDGET)
+        self.budget_at = time.monotonic()
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(MAX_STREAMS * STREAM_WINDOW)
         transport.set_protocol(cast(asyncio.Protocol, self))  # called by name
@@ -141,7 +154,12 @@ class UpstreamSession:
             self.abort()
             return
         for event in events:
+            if self.closed:
+                return
             kind = type(event)
+            if (kind in _CONTROL or (kind is DataReceived and not event.data
+                                     and event.stream_ended is None)) and not self._spend():
+                return
             stream = self.streams.get(getattr(event, "stream_id", 0) or 0)
             if kind is DataReceived:
                 if stream is not None:
@@ -186,6 +204,21 @@ class UpstreamSession:
             self.splitter.received.clear()
             self._close_when_done()
         self.flush()
+
+    def _spend(self) -> bool:
+        """One frame that carries no answer; False (the connection aborted) once the
+        budget is spent."""
+        now = time.monotonic()
+        self.budget = min(float(CONTROL_BUDGET),
+                          self.budget + (now - self.budget_at) * CONTROL_REFILL) - 1
+        self.budget_at = now
+        if self.budget >= 0:
+            return True
+        log.log(V(2), "upstream HTTP/2 connection broken", extra=kv(
+            upstream=self.pool.upstream.name, error="too many frames that carry no answer"))
+        self.h2.clear_outbound_data_buffer()
+        self.abort()
+        return False
 
     def eof_received(self) -> bool | None:
         return False

@@ -54,6 +54,8 @@ class Backend:
     open_streams: int = 0
     most_streams: int = 0
     resets: int = 0
+    dropped: int = 0
+    """HTTP/2 connections mvproxy closed (or aborted) while the backend kept them."""
     period: float = 0.05
     max_streams: int = 100
     sessions: list[_H2] = field(default_factory=list)
@@ -137,6 +139,7 @@ class _H2:
             while True:
                 data = await self.reader.read(65536)
                 if not data:
+                    self.backend.dropped += 1
                     return
                 try:
                     events = self.conn.receive_data(data)
@@ -147,6 +150,7 @@ class _H2:
                     self.on(event)
                 self.flush()
         except (ConnectionError, ssl.SSLError):
+            self.backend.dropped += 1
             return
         finally:
             for task in self.tasks.values():

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -20,12 +21,16 @@ import pytest
 from daemon_support import WAIT
 from h2_support import RawH2
 from h2_upstream_support import _H2, Backend, h2_backend
-from hyperframe.frame import DataFrame, PingFrame
+from hyperframe.frame import DataFrame, Frame, PingFrame, SettingsFrame
 from test_http2_upstream import WATCH, _events, _until, proxy
 
 from mvproxy import h2upstream, tls
 
 HOSTILE = WATCH + "&hostile="
+QUIET = {"discovery.pollInterval": "1h", "discovery.staleAfter": "2h",
+         "discovery.forgetAfter": "3h"}
+"""One discovery poll only: this test's busy event loop (the backend's too) delays no
+later poll into a timeout, which would end every request to the backend."""
 
 
 def _failures(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -183,31 +188,43 @@ async def test_an_upstream_allowing_no_stream_is_not_dialled_again_and_again(roo
         assert not _failures(caplog)
 
 
-def _ping_flood(count: int):
-    """Reads nothing while it sends ``count`` PINGs: mvproxy queues an ACK for each."""
+def _flood(frame: Callable[[int], Frame], count: int):
+    """Reads nothing while it sends ``count`` frames that each make mvproxy write one
+    (an ACK), then waits for mvproxy to drop the connection."""
     async def answer(h2: _H2, sid: int) -> None:
         h2.conn.send_headers(sid, [(":status", "200")])
         h2.flush()
         h2.writer.transport.pause_reading()
         try:
-            for i in range(count // 1000):
-                h2.raw(*(PingFrame(0, (i * 1000 + j).to_bytes(8, "big")) for j in range(1000)))
+            for i in range(0, count, 1000):
+                h2.raw(*(frame(i + j) for j in range(1000)))
                 await h2.writer.drain()
         finally:
             h2.writer.transport.resume_reading()
-        h2.raw(DataFrame(sid, b"{}\n", flags=["END_STREAM"]))
+        await _until(lambda: h2.backend.dropped > 0, "mvproxy to drop the connection")
     return answer
 
 
-async def test_an_upstream_flooding_control_frames_loses_its_connection(root, caplog):
-    """PING (and SETTINGS) each make mvproxy write an ACK, whether or not the upstream
-    reads them: a hostile upstream that floods them and reads nothing grew mvproxy's
-    write buffer without bound (the downstream side has a budget, the upstream had
-    none)."""
+def _ping(n: int) -> Frame:
+    return PingFrame(0, n.to_bytes(8, "big"))
+
+
+def _settings(n: int) -> Frame:
+    return SettingsFrame(0, {0x3: 100})
+
+
+@pytest.mark.parametrize("frame", [_ping, _settings])
+async def test_an_upstream_flooding_control_frames_loses_its_connection(root, caplog, frame):
+    """PING and SETTINGS each make mvproxy write an ACK, whether the upstream reads
+    them or not: a hostile upstream that floods them and reads nothing grew mvproxy's
+    write buffer without bound (the client side has a budget, this side had none).
+    """
     caplog.set_level(logging.WARNING)
-    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
-        backend.hostile["hostile=ping"] = _ping_flood(20_000)
-        status, _, body = await _answer(session, base + HOSTILE + "ping")
-        assert status == 0, (status, body[:200])  # the watch broke with its connection
-        await healthy(base, session, daemon, backend, caplog, "PING flood")
+    async with h2_backend(root) as backend, proxy(root, backend, **QUIET) as (
+            base, session, daemon):
+        backend.hostile["hostile=flood"] = _flood(frame, 20_000)
+        status, _, _ = await _answer(session, base + HOSTILE + "flood")
+        await _until(lambda: backend.dropped > 0, "mvproxy to drop the flooding connection")
+        assert status == 0  # the watch broke with its connection
+        await healthy(base, session, daemon, backend, caplog, frame.__name__)
         assert backend.connections["h2"] == 2
