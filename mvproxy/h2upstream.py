@@ -67,6 +67,10 @@ interim answers) a server may send in a burst; ``CONTROL_REFILL`` per second com
 Each PING and SETTINGS makes mvproxy write an ACK, read or not: past the budget the
 connection is broken (as ``http2.CONTROL_BUDGET`` for clients)."""
 CONTROL_REFILL = 100.0
+OUTBOUND_LIMIT = 1 << 20
+"""Bytes mvproxy's writes to one upstream connection may queue unread: request DATA
+waits for it to drain, so only what jh2 answers on its own piles up (``RST_STREAM``
+for each frame on a closed stream reaches no event and no budget)."""
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _STATUS = re.compile(rb"[0-9]{3}\Z")
@@ -204,6 +208,12 @@ class UpstreamSession:
             self.splitter.received.clear()
             self._close_when_done()
         self.flush()
+        transport = self.transport
+        if transport is not None and not transport.is_closing() \
+                and transport.get_write_buffer_size() > OUTBOUND_LIMIT:
+            log.log(V(2), "upstream HTTP/2 connection broken", extra=kv(
+                upstream=self.pool.upstream.name, error="it reads nothing mvproxy sends"))
+            self.abort()
 
     def _spend(self) -> bool:
         """One frame that carries no answer; False (the connection aborted) once the

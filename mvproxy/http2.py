@@ -85,6 +85,11 @@ CONTROL_BUDGET = 1_000
 second come back. client-go sends a PING per 30 s idle and a few SETTINGS: honest
 clients never come near it; a flood ends its connection within a second."""
 CONTROL_REFILL = 100.0
+OUTBOUND_LIMIT = 1 << 20
+"""Bytes mvproxy's writes to one client may queue unread. DATA waits for the TLS
+connection to drain, so only what jh2 answers on its own piles up (``RST_STREAM`` for
+each frame on a closed stream, which reaches no event and no budget): a client that
+keeps sending those and reads nothing would grow the buffer without bound."""
 REFUSED_LIMIT = 2
 """Streams refused at the concurrency limit, or reset by the client before their answer
 ended (a budget that refills by the limit per second), as a multiple of that limit,
@@ -237,6 +242,15 @@ class Session:
                 if not self._spend():
                     return
         self.flush()
+        transport = self.conn.transport
+        if transport is not None and not transport.is_closing() \
+                and transport.get_write_buffer_size() > OUTBOUND_LIMIT:
+            self.stats.defended("flood")
+            log.log(V(2), "HTTP/2 connection ended", extra=kv(
+                reason="flood", detail="the client reads nothing of what it makes mvproxy send",
+                client=self.conn.client_address))
+            self.goaway_sent = True
+            self.conn.abort()  # closing would wait for the client to read it all
 
     def _spend(self) -> bool:
         """One frame that makes no request; False (and the connection ending) once the

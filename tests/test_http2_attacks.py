@@ -9,9 +9,11 @@ escaped into asyncio is logged there), and no upstream stream is left open.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import socket
 import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -21,10 +23,22 @@ import pytest
 from daemon_support import WAIT
 from h2_support import RawH2
 from h2_upstream_support import _H2, Backend, h2_backend
-from hyperframe.frame import DataFrame, Frame, PingFrame, SettingsFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    Frame,
+    HeadersFrame,
+    PingFrame,
+    PushPromiseFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
+from test_http2_hostile import NAMESPACES, h2_cluster, healthy_h2
+from test_http2_hostile import h2 as open_h2
 from test_http2_upstream import WATCH, _events, _until, proxy
 
 from mvproxy import h2upstream, tls
+from mvproxy.h2frames import goaway_frame
 
 HOSTILE = WATCH + "&hostile="
 QUIET = {"discovery.pollInterval": "1h", "discovery.staleAfter": "2h",
@@ -64,11 +78,12 @@ async def _answer(session: aiohttp.ClientSession, url: str) -> tuple[int, dict, 
 # --------------------------------------------------------------------------- a hostile upstream
 
 
-def _head(*fields: tuple[bytes, bytes], status: bytes = b"200", body: bytes = b"{}\n"):
-    """A hostile answer: a head exactly as given, a body, END_STREAM."""
+def _head(*fields: tuple[bytes, bytes], status: bytes = b"200", body: bytes = b"{}\n",
+          end: bool = True):
+    """A hostile answer: a head exactly as given, a body, END_STREAM (with ``end``)."""
     async def answer(h2: _H2, sid: int) -> None:
         h2.head(sid, [(b":status", status), *fields])
-        h2.raw(DataFrame(sid, body, flags=["END_STREAM"]))
+        h2.raw(DataFrame(sid, body, flags=["END_STREAM"] if end else []))
     return answer
 
 
@@ -126,6 +141,74 @@ async def test_a_response_head_http11_could_read_differently_is_a_broken_respons
         await healthy(base, session, daemon, backend, caplog, name)
 
 
+def _then(first, *frames: Callable[[int], Frame | bytes]):
+    """``first``'s answer, then ``frames`` on the stream."""
+    async def answer(h2: _H2, sid: int) -> None:
+        await first(h2, sid)
+        h2.raw(*(f(sid) for f in frames))
+    return answer
+
+
+def _before(*frames: Callable[[int], Frame | bytes], then=None):
+    """``frames`` before the answer (``then``, else the ordinary one)."""
+    async def answer(h2: _H2, sid: int) -> None:
+        h2.raw(*(f(sid) for f in frames))
+        await (then or _head())(h2, sid)
+    return answer
+
+
+def _continuations(count: int):
+    async def answer(h2: _H2, sid: int) -> None:
+        frame = HeadersFrame(sid, h2.conn.encoder.encode([(b":status", b"200")]))
+        h2.raw(frame, *(ContinuationFrame(sid, b"\x40\x01a\x01b" * 3000)
+                        for _ in range(count)))
+    return answer
+
+
+def _goaway(last: int) -> Callable[[int], bytes]:
+    return lambda sid: goaway_frame(last, 0)
+
+
+OTHERS = {
+    # name: (the hostile answer, the statuses the client may see); each held already
+    "PUSH_PROMISE (push is off)": (_before(lambda sid: PushPromiseFrame(
+        sid, promised_stream_id=2, data=b"\x82\x84\x87\x41\x01a", flags=["END_HEADERS"])),
+        (0, 502)),
+    "DATA beyond the stream's window": (_then(
+        _head(body=b"{", end=False),
+        lambda sid: DataFrame(sid, b"x" * (h2upstream.STREAM_WINDOW + 1))),
+        (0, 200)),
+    "DATA after END_STREAM": (_then(_head(), lambda sid: DataFrame(sid, b"more")), (200,)),
+    "RST_STREAM after END_STREAM": (_then(_head(), lambda sid: RstStreamFrame(sid)), (200,)),
+    "endless CONTINUATION": (_continuations(200), (0, 502)),
+    "SETTINGS at their largest": (_before(lambda sid: SettingsFrame(
+        0, {0x1: 2**32 - 1, 0x3: 2**32 - 1, 0x4: 2**31 - 1, 0x5: 2**24 - 1, 0x6: 2**32 - 1})),
+        (200,)),
+    "SETTINGS with a window past 2**31-1": (_before(lambda sid: SettingsFrame(
+        0, {0x4: 2**31})), (0, 502)),
+    "GOAWAY naming every stream": (_before(_goaway(2**31 - 1)), (200,)),
+    # the answer (in the same read) may still be taken, or the stream refused
+    "GOAWAY naming none, the answer sent anyway": (_before(_goaway(0)), (0, 200, 502, 503)),
+    ":status 101": (_head(status=b"101"), (0, 502)),
+    "content-length below the DATA": (_head((b"content-length", b"1")), (0, 502)),
+    "content-length not a number": (_head((b"content-length", b"1_0")), (0, 502)),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+async def test_other_hostile_answers_end_their_stream_or_connection_only(root, caplog, name):
+    """What a hostile upstream can send beside the head: each ends at worst its stream
+    or its connection, and the next watch is served."""
+    caplog.set_level(logging.WARNING)
+    answer, statuses = OTHERS[name]
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        backend.hostile["hostile=1"] = answer
+        status, headers, body = await _answer(session, base + HOSTILE + "1")
+        assert status in statuses, (name, status, body[:200])
+        backend.hostile.clear()
+        await healthy(base, session, daemon, backend, caplog, name)
+
+
 def _ctx(root) -> ssl.SSLContext:
     ctx = tls.client_context(root / "ca.crt", root / "admin.crt", root / "admin.key")
     ctx.set_alpn_protocols(["h2", "http/1.1"])
@@ -134,10 +217,10 @@ def _ctx(root) -> ssl.SSLContext:
 
 def _stalled(backend: Backend) -> bool:
     """A stream of the backend's waits for mvproxy's window."""
-    for h2 in backend.sessions:
-        for sid in list(h2.tasks):
+    for server in backend.sessions:
+        for sid in list(server.tasks):
             with contextlib.suppress(Exception):
-                if h2.conn.local_flow_control_window(sid) <= 0:
+                if server.conn.local_flow_control_window(sid) <= 0:
                     return True
     return False
 
@@ -228,3 +311,87 @@ async def test_an_upstream_flooding_control_frames_loses_its_connection(root, ca
         assert status == 0  # the watch broke with its connection
         await healthy(base, session, daemon, backend, caplog, frame.__name__)
         assert backend.connections["h2"] == 2
+
+
+async def test_a_head_answer_without_a_length_leaves_the_stream_clean(root, caplog):
+    """A HEAD answered with no ``content-length`` is written chunked to mvproxy's
+    parser, which reads no body after a HEAD: the chunk end that follows must not be
+    read as the start of another answer."""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root) as backend, \
+            proxy(root, backend, upstreamHTTP2="all") as (base, session, daemon):
+        async def bare(h2: _H2, sid: int) -> None:
+            h2.head(sid, [(b":status", b"200"), (b"x-a", b"1")], end_stream=True)
+        backend.hostile["hostile=head"] = bare
+        for _ in range(3):
+            async with session.head(base + HOSTILE + "head",
+                                    timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+                assert r.status == 200 and r.headers.get("x-a") == "1"
+        await healthy(base, session, daemon, backend, caplog, "HEAD")
+
+
+def _closed_stream_flood(count: int):
+    """A whole answer, then ``count`` empty DATA frames on its closed stream, read
+    nothing (its receive buffer kept small: loopback's grows to tens of MB): jh2 answers
+    each with ``RST_STREAM`` (no event, no budget)."""
+    async def answer(h2: _H2, sid: int) -> None:
+        await _head()(h2, sid)
+        h2.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                                      1 << 16)
+        h2.writer.transport.pause_reading()
+        try:
+            frame = DataFrame(sid, b"").serialize()
+            for _ in range(0, count, 5000):
+                h2.raw(frame * 5000)
+                await h2.writer.drain()
+        finally:
+            h2.writer.transport.resume_reading()
+        await _until(lambda: h2.backend.dropped > 0, "mvproxy to drop the connection")
+    return answer
+
+
+async def test_an_upstream_that_reads_nothing_of_what_its_frames_make_mvproxy_send(
+        root, caplog):
+    """Frames on a closed stream make jh2 queue ``RST_STREAM`` for each: an upstream
+    that sends those and reads nothing grew mvproxy's write buffer without bound."""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root) as backend, proxy(root, backend, **QUIET) as (
+            base, session, daemon):
+        backend.hostile["hostile=closed"] = _closed_stream_flood(1_000_000)
+        status, _, body = await _answer(session, base + HOSTILE + "closed")
+        assert status == 200 and body == b"{}\n"  # the answer came whole first
+        await _until(lambda: backend.dropped > 0, "mvproxy to drop the connection")
+        backend.hostile.clear()
+        await healthy(base, session, daemon, backend, caplog, "frames on a closed stream")
+        assert backend.connections["h2"] == 2
+
+
+async def test_a_client_that_reads_nothing_of_what_its_frames_make_mvproxy_send(
+        aiohttp_server, root, caplog):
+    """The same from a client (``http2.Session``): empty DATA on a closed stream costs
+    it 9 bytes and no budget, and mvproxy queued 13 bytes of ``RST_STREAM`` for each,
+    never read, until the connection ended (100,000 left 325 KB in mvproxy's buffer
+    beside what the kernel took). Now the connection is aborted once 1 MiB waits."""
+    async with h2_cluster(aiohttp_server, root, caplog) as c:
+        conn = await open_h2(c)
+        sid = conn.request(NAMESPACES)
+        assert (await conn.response(sid)).status == 200
+        assert conn._task is not None
+        conn._task.cancel()  # read nothing from now on
+        with contextlib.suppress(asyncio.CancelledError):
+            await conn._task
+        conn.writer.transport.pause_reading()
+        frame = DataFrame(sid, b"").serialize()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            for _ in range(80):
+                conn.writer.write(frame * 5000)
+                await conn.writer.drain()
+        conn.writer.transport.resume_reading()
+        try:
+            async with asyncio.timeout(WAIT):  # the RST_STREAMs queued, then the end
+                while await conn.reader.read(1 << 20):
+                    pass
+        except (ConnectionError, ssl.SSLError):
+            pass  # reset: as good as the end (a TimeoutError fails the test)
+        conn.writer.transport.abort()
+        await healthy_h2(c, caplog, "frames on a closed stream")
