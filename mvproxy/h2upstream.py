@@ -61,6 +61,8 @@ STREAM_WINDOW = 16 * 1024
 watch whose client stopped reading holds, at most, on this leg."""
 MAX_STREAMS = 100
 """Streams per connection mvproxy opens at most, whatever the server allows."""
+LAST_STREAM_ID = 2**31 - 1
+"""Stream IDs end there (RFC 9113 §5.1.1): a connection that used them takes no more."""
 CONTROL_BUDGET = 1_000
 """Frames that carry no answer (PING, SETTINGS, PRIORITY, unknown types, empty DATA,
 interim answers) a server may send in a burst; ``CONTROL_REFILL`` per second come back.
@@ -118,6 +120,8 @@ class UpstreamSession:
     # ---------------------------------------------------------------- for the pool
 
     def can_open(self) -> bool:
+        if (self.h2.highest_outbound_stream_id or 0) + 2 * (self.carrying + 1) > LAST_STREAM_ID:
+            self.close()  # every request taken gets an ID; later ones a new connection
         return (not self.going_away and not self.closed and self.carrying < min(
             MAX_STREAMS, self.h2.remote_settings.max_concurrent_streams))
 

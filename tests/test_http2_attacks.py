@@ -395,3 +395,19 @@ async def test_a_client_that_reads_nothing_of_what_its_frames_make_mvproxy_send(
             pass  # reset: as good as the end (a TimeoutError fails the test)
         conn.writer.transport.abort()
         await healthy_h2(c, caplog, "frames on a closed stream")
+
+
+async def test_a_connection_whose_stream_ids_ran_out_gives_way_to_a_new_one(root, caplog):
+    """Stream IDs end at 2**31-1: a session that has used them (a billion requests,
+    some 30 hours at 10,000 per second with ``all``) could open no more, yet stayed
+    the pool's choice while its upstream kept it open, so every later request failed.
+    (The IDs used are set on the live session: nothing else reaches the end.)"""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root) as backend, proxy(root, backend) as (base, session, daemon):
+        assert await _events(session, f"{base}{WATCH}&first=1", 1) == [0]
+        [upstream] = [s for p in daemon.transport._pools.values() for s in p.sessions]
+        upstream.h2.highest_outbound_stream_id = 2**31 - 5
+        for i in range(4):  # IDs 2**31-3 and 2**31-1, then a new connection's
+            assert await _events(session, f"{base}{WATCH}&i={i}", 1) == [0], i
+        assert backend.connections["h2"] == 2
+        await healthy(base, session, daemon, backend, caplog, "stream IDs ran out")
