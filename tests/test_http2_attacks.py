@@ -366,15 +366,19 @@ async def test_an_upstream_that_reads_nothing_of_what_its_frames_make_mvproxy_se
         assert backend.connections["h2"] == 2
 
 
+@pytest.mark.parametrize("who", ["admin", "bearer"])
 async def test_a_client_that_reads_nothing_of_what_its_frames_make_mvproxy_send(
-        aiohttp_server, root, caplog):
+        aiohttp_server, root, caplog, who):
     """The same from a client (``http2.Session``): empty DATA on a closed stream costs
     it 9 bytes and no budget, and mvproxy queued 13 bytes of ``RST_STREAM`` for each,
     never read, until the connection ended (100,000 left 325 KB in mvproxy's buffer
     beside what the kernel took). Now the connection is aborted once 1 MiB waits."""
     async with h2_cluster(aiohttp_server, root, caplog) as c:
-        conn = await open_h2(c)
+        conn = await open_h2(c, who)
         sid = conn.request(NAMESPACES)
+        # bearer: no credential at all, answered 200 here (the fake backend does not
+        # authenticate), then GOAWAY and the close: nothing more is read (it held
+        # before the bound too; a credential is what the attack needs)
         assert (await conn.response(sid)).status == 200
         assert conn._task is not None
         conn._task.cancel()  # read nothing from now on
