@@ -164,8 +164,9 @@ class _H2:
             self.bodies[event.stream_id] = 0
             b.open_streams += 1
             b.most_streams = max(b.most_streams, b.open_streams)
-            if event.stream_ended is not None:
-                self.answer(event.stream_id)
+            path = dict(event.headers).get(":path", "")
+            if event.stream_ended is not None or any(f in path for f in b.hostile):
+                self.answer(event.stream_id)  # a hostile answer need not wait for the body
         elif isinstance(event, h2.events.DataReceived):
             self.bodies[event.stream_id] = self.bodies.get(event.stream_id, 0) + len(event.data)
             self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)

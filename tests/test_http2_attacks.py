@@ -415,3 +415,32 @@ async def test_a_connection_whose_stream_ids_ran_out_gives_way_to_a_new_one(root
             assert await _events(session, f"{base}{WATCH}&i={i}", 1) == [0], i
         assert backend.connections["h2"] == 2
         await healthy(base, session, daemon, backend, caplog, "stream IDs ran out")
+
+
+async def test_an_answer_that_ends_before_the_upload_does_frees_its_stream(root, caplog):
+    """An upstream may answer (403, 413) and end its side before a request body is
+    all sent. The stream is then half-closed on mvproxy's side, still open in jh2's
+    count of streams against the server's ``MAX_CONCURRENT_STREAMS``; unless mvproxy
+    ends or resets its own side, a few such uploads would fill that count, and every
+    later request on the connection would fail as jh2 refuses to open a stream. (It
+    held: mvproxy resets each, the backend counts the resets.)"""
+    caplog.set_level(logging.WARNING)
+    async with h2_backend(root, max_streams=3) as backend, \
+            proxy(root, backend, upstreamHTTP2="all") as (base, session, daemon):
+        async def early(h2: _H2, sid: int) -> None:
+            body = b'{"kind":"Status","code":403}'
+            h2.conn.send_headers(sid, [(":status", "403"), ("content-length", str(len(body)))])
+            h2.conn.send_data(sid, body, end_stream=True)
+            h2.flush()
+        backend.hostile["early"] = early
+        for i in range(6):
+            async with session.put(base + f"/api/v1/namespaces/default/configmaps/early{i}",
+                                   data=b"x" * 1_000_000,
+                                   timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+                assert r.status == 403, (i, r.status)
+        await _until(lambda: backend.resets == 6, "mvproxy to reset each early-answered stream")
+        backend.hostile.clear()
+        async with session.get(base + "/api/v1/namespaces",
+                               timeout=aiohttp.ClientTimeout(total=WAIT)) as r:
+            assert r.status == 200 and (await r.json())["protocol"] == "h2"
+        await healthy(base, session, daemon, backend, caplog, "early answers")
