@@ -65,9 +65,10 @@ LAST_STREAM_ID = 2**31 - 1
 """Stream IDs end there (RFC 9113 §5.1.1): a connection that used them takes no more."""
 CONTROL_BUDGET = 1_000
 """Frames that carry no answer (PING, SETTINGS, PRIORITY, unknown types, empty DATA,
-interim answers) a server may send in a burst; ``CONTROL_REFILL`` per second come back.
-Each PING and SETTINGS makes mvproxy write an ACK, read or not: past the budget the
-connection is broken (as ``http2.CONTROL_BUDGET`` for clients)."""
+interim answers past ``INTERIM_FREE`` on a stream) a server may send in a burst;
+``CONTROL_REFILL`` per second come back. Each PING and SETTINGS makes mvproxy write
+an ACK, read or not: past the budget the connection is broken (as
+``http2.CONTROL_BUDGET`` for clients)."""
 CONTROL_REFILL = 100.0
 OUTBOUND_LIMIT = 1 << 20
 """Bytes mvproxy's writes to one upstream connection may queue unread: request DATA
@@ -77,7 +78,10 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _STATUS = re.compile(rb"[0-9]{3}\Z")
 _CONTROL = frozenset((PingReceived, PriorityUpdated, RemoteSettingsChanged,
-                      UnknownFrameReceived, InformationalResponseReceived))
+                      UnknownFrameReceived))
+INTERIM_FREE = 2
+"""Interim answers (100, 103) a stream gets without spending the budget: an honest
+server sends one or two per request, and a busy connection carries many requests."""
 _HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                   b"upgrade", b"host", b"te"))
 
@@ -182,6 +186,9 @@ class UpstreamSession:
                     stream.head(event.headers, event.stream_ended is not None)
             elif kind is InformationalResponseReceived:
                 if stream is not None:
+                    stream.interims += 1
+                    if stream.interims > INTERIM_FREE and not self._spend():
+                        return
                     stream.interim(event.headers)
             elif kind is TrailersReceived:
                 if stream is not None:
@@ -313,6 +320,7 @@ class UpstreamStream(asyncio.Transport):
         self.chunked = False
         """The answer is written to the connection chunked (it came with no length)."""
         self.answered = False
+        self.interims = 0
         self.ended = False
         self.closing = False
         self.reading = True

@@ -165,6 +165,14 @@ def _continuations(count: int):
     return answer
 
 
+def _interims(count: int):
+    async def answer(h2: _H2, sid: int) -> None:
+        for _ in range(count):
+            h2.head(sid, [(b":status", b"103"), (b"link", b"</a>; rel=preload")])
+        await _head()(h2, sid)
+    return answer
+
+
 def _goaway(last: int) -> Callable[[int], bytes]:
     return lambda sid: goaway_frame(last, 0)
 
@@ -190,6 +198,8 @@ OTHERS = {
     # the answer (in the same read) may still be taken, or the stream refused
     "GOAWAY naming none, the answer sent anyway": (_before(_goaway(0)), (0, 200, 502, 503)),
     ":status 101": (_head(status=b"101"), (0, 502)),
+    "two interim answers (allowed)": (_interims(2), (200,)),
+    "3,000 interim answers (the budget)": (_interims(3000), (0, 502)),
     "content-length below the DATA": (_head((b"content-length", b"1")), (0, 502)),
     "content-length not a number": (_head((b"content-length", b"1_0")), (0, 502)),
 }
