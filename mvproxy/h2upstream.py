@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 import time
 from collections import deque
@@ -36,11 +37,14 @@ from jh2.errors import ErrorCodes
 from jh2.events import (
     DataReceived,
     InformationalResponseReceived,
+    PingReceived,
+    PriorityUpdated,
     RemoteSettingsChanged,
     ResponseReceived,
     StreamEnded,
     StreamReset,
     TrailersReceived,
+    UnknownFrameReceived,
     WindowUpdated,
 )
 from jh2.exceptions import ProtocolError
@@ -49,7 +53,7 @@ from jh2.settings import SettingCodes, Settings
 from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
 from mvproxy.logs import V, kv
 from mvproxy.tls import current_context
-from mvproxy.transport import Pool, UpstreamConnection
+from mvproxy.transport import H2_RETRY_AFTER, Pool, UpstreamConnection
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,27 @@ STREAM_WINDOW = 16 * 1024
 watch whose client stopped reading holds, at most, on this leg."""
 MAX_STREAMS = 100
 """Streams per connection mvproxy opens at most, whatever the server allows."""
+LAST_STREAM_ID = 2**31 - 1
+"""Stream IDs end there (RFC 9113 §5.1.1): a connection that used them takes no more."""
+CONTROL_BUDGET = 1_000
+"""Frames that carry no answer (PING, SETTINGS, PRIORITY, unknown types, empty DATA,
+interim answers past ``INTERIM_FREE`` on a stream) a server may send in a burst;
+``CONTROL_REFILL`` per second come back. Each PING and SETTINGS makes mvproxy write
+an ACK, read or not: past the budget the connection is broken (as
+``http2.CONTROL_BUDGET`` for clients)."""
+CONTROL_REFILL = 100.0
+OUTBOUND_LIMIT = 1 << 20
+"""Bytes mvproxy's writes to one upstream connection may queue unread: request DATA
+waits for it to drain, so only what jh2 answers on its own piles up (``RST_STREAM``
+for each frame on a closed stream reaches no event and no budget)."""
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+_BAD_VALUE = re.compile(rb"[\r\n\x00]")
+_STATUS = re.compile(rb"[0-9]{3}\Z")
+_CONTROL = frozenset((PingReceived, PriorityUpdated, RemoteSettingsChanged,
+                      UnknownFrameReceived))
+INTERIM_FREE = 2
+"""Interim answers (100, 103) a stream gets without spending the budget: an honest
+server sends one or two per request, and a busy connection carries many requests."""
 _HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                   b"upgrade", b"host", b"te"))
 
@@ -91,6 +116,8 @@ class UpstreamSession:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.splitter = GoawaySplitter(preface=False)
         self._waiting: list[UpstreamStream] = []
+        self.budget = float(CONTROL_BUDGET)
+        self.budget_at = time.monotonic()
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(MAX_STREAMS * STREAM_WINDOW)
         transport.set_protocol(cast(asyncio.Protocol, self))  # called by name
@@ -109,6 +136,8 @@ class UpstreamSession:
         if not self.carrying and time.monotonic() - self.idle_since > self.pool.idle_expiry:
             self.close()  # as an idle HTTP/1.1 connection: the server may be closing it
             return False
+        if (self.h2.highest_outbound_stream_id or 0) + 2 * (self.carrying + 1) > LAST_STREAM_ID:
+            self.close()  # every request taken gets an ID; later ones a new connection
         return (not self.going_away and not self.closed and self.carrying < min(
             MAX_STREAMS, self.h2.remote_settings.max_concurrent_streams))
 
@@ -149,7 +178,12 @@ class UpstreamSession:
             self.abort()
             return
         for event in events:
+            if self.closed:
+                return
             kind = type(event)
+            if (kind in _CONTROL or (kind is DataReceived and not event.data
+                                     and event.stream_ended is None)) and not self._spend():
+                return
             stream = self.streams.get(getattr(event, "stream_id", 0) or 0)
             if kind is DataReceived:
                 if stream is not None:
@@ -164,6 +198,9 @@ class UpstreamSession:
                     stream.head(event.headers, event.stream_ended is not None)
             elif kind is InformationalResponseReceived:
                 if stream is not None:
+                    stream.interims += 1
+                    if stream.interims > INTERIM_FREE and not self._spend():
+                        return
                     stream.interim(event.headers)
             elif kind is TrailersReceived:
                 if stream is not None:
@@ -177,6 +214,11 @@ class UpstreamSession:
             elif kind is WindowUpdated:
                 self._send_waiting()
             elif kind is RemoteSettingsChanged:
+                if not self.h2.remote_settings.max_concurrent_streams:
+                    # It takes no stream: new requests go over HTTP/1.1 for a while, not
+                    # to one more connection that carries nothing (and stays open).
+                    self.pool.h2_refused_until = time.monotonic() + H2_RETRY_AFTER
+                    self.close()
                 if not self.ready.done():
                     self.ready.set_result(None)
                 self._send_waiting()
@@ -189,6 +231,27 @@ class UpstreamSession:
             self.splitter.received.clear()
             self._close_when_done()
         self.flush()
+        transport = self.transport
+        if transport is not None and not transport.is_closing() \
+                and transport.get_write_buffer_size() > OUTBOUND_LIMIT:
+            log.log(V(2), "upstream HTTP/2 connection broken", extra=kv(
+                upstream=self.pool.upstream.name, error="it reads nothing mvproxy sends"))
+            self.abort()
+
+    def _spend(self) -> bool:
+        """One frame that carries no answer; False (the connection aborted) once the
+        budget is spent."""
+        now = time.monotonic()
+        self.budget = min(float(CONTROL_BUDGET),
+                          self.budget + (now - self.budget_at) * CONTROL_REFILL) - 1
+        self.budget_at = now
+        if self.budget >= 0:
+            return True
+        log.log(V(2), "upstream HTTP/2 connection broken", extra=kv(
+            upstream=self.pool.upstream.name, error="too many frames that carry no answer"))
+        self.h2.clear_outbound_data_buffer()
+        self.abort()
+        return False
 
     def eof_received(self) -> bool | None:
         return False
@@ -231,6 +294,13 @@ class UpstreamSession:
     def forget(self, stream: UpstreamStream) -> None:
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
+        if stream.unacknowledged and not self.closed:
+            # What arrived while its reader stalled: the stream is over, but those
+            # bytes still count against the connection's window, every stream's.
+            with contextlib.suppress(ProtocolError):
+                self.h2.acknowledge_received_data(stream.unacknowledged, stream.stream_id)
+            stream.unacknowledged = 0
+            self.flush()
         if stream.counted:
             stream.counted = False
             self.carrying -= 1
@@ -264,6 +334,7 @@ class UpstreamStream(asyncio.Transport):
         self.chunked = False
         """The answer is written to the connection chunked (it came with no length)."""
         self.answered = False
+        self.interims = 0
         self.ended = False
         self.closing = False
         self.reading = True
@@ -363,10 +434,14 @@ class UpstreamStream(asyncio.Transport):
 
     def interim(self, headers: list[tuple[bytes, bytes]]) -> None:
         status = next((v for n, v in headers if n == b":status"), b"100")
+        if self._malformed(headers):
+            return
         self._feed(b"HTTP/1.1 " + status + b" \r\n" + _lines(headers) + b"\r\n")
 
     def head(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         status = next((v for n, v in headers if n == b":status"), b"")
+        if self._malformed(headers):
+            return
         lines = _lines(headers)
         framing = b""
         if not any(n == b"content-length" for n, _ in headers) \
@@ -388,12 +463,39 @@ class UpstreamStream(asyncio.Transport):
             self._feed(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     def end(self, trailers: list[tuple[bytes, bytes]]) -> None:
-        if self.ended:
+        if self.ended or self._malformed(trailers):
             return
         if self.chunked:
             self._feed(b"0\r\n" + _lines(trailers) + b"\r\n")
         self.ended = True
         self.session.forget(self)
+
+    def _malformed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether the server's fields could read differently as the HTTP/1.1 they
+        are written as (jh2 checks no value for CR, LF or NUL, no name beyond
+        uppercase, no ``:status``): then the stream is reset and its request ends as
+        one whose connection broke, the fields never fed to the parser."""
+        why = ""
+        for name, value in headers:
+            if _BAD_VALUE.search(value):
+                why = "a field value holds CR, LF or NUL"
+            elif name == b":status":
+                why = "" if _STATUS.match(value) else ":status is not three digits"
+            elif not _TOKEN.match(name):
+                why = "a field name is not a token"
+            if why:
+                break
+        if not why:
+            return False
+        session = self.session
+        log.log(V(2), "upstream HTTP/2 answer malformed", extra=kv(
+            upstream=session.pool.upstream.name, error=why))
+        if not self.ended and not session.closed:
+            with contextlib.suppress(ProtocolError):
+                session.h2.reset_stream(self.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            session.flush()
+        self.lost()
+        return True
 
     def lost(self, *, refused: bool = False) -> None:
         """The stream or its connection ended before the answer did; ``refused``: the

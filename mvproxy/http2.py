@@ -85,6 +85,11 @@ CONTROL_BUDGET = 1_000
 second come back. client-go sends a PING per 30 s idle and a few SETTINGS: honest
 clients never come near it; a flood ends its connection within a second."""
 CONTROL_REFILL = 100.0
+OUTBOUND_LIMIT = 1 << 20
+"""Bytes mvproxy's writes to one client may queue unread. DATA waits for the TLS
+connection to drain, so only what jh2 answers on its own piles up (``RST_STREAM`` for
+each frame on a closed stream, which reaches no event and no budget): a client that
+keeps sending those and reads nothing would grow the buffer without bound."""
 REFUSED_LIMIT = 2
 """Streams refused at the concurrency limit, or reset by the client before their answer
 ended (a budget that refills by the limit per second), as a multiple of that limit,
@@ -237,6 +242,15 @@ class Session:
             self.goaway_sent = True  # nothing new is taken; closed once they did
             self.loop.call_soon(self._close_when_done)
         self.flush()
+        transport = self.conn.transport
+        if transport is not None and not transport.is_closing() \
+                and transport.get_write_buffer_size() > OUTBOUND_LIMIT:
+            self.stats.defended("flood")
+            log.log(V(2), "HTTP/2 connection ended", extra=kv(
+                reason="flood", detail="the client reads nothing of what it makes mvproxy send",
+                client=self.conn.client_address))
+            self.goaway_sent = True
+            self.conn.abort()  # closing would wait for the client to read it all
 
     def _spend(self) -> bool:
         """One frame that makes no request; False (and the connection ending) once the
@@ -328,6 +342,15 @@ class Session:
         """``stream`` is over on the wire (ended, reset or refused)."""
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
+        if stream.unacknowledged and not self.closed:
+            # Body bytes held while its consumer stalled: they count against the
+            # connection's window too, and the stream will never credit them.
+            try:
+                self.h2.acknowledge_received_data(stream.unacknowledged, stream.stream_id)
+            except ProtocolError:
+                pass
+            stream.unacknowledged = 0
+            self.flush()
         if stream.last and not self.goaway_sent:
             self.stats.goaways[stream.last] = self.stats.goaways.get(stream.last, 0) + 1
             self._goaway(ErrorCodes.NO_ERROR)

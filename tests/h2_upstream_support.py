@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,9 +54,13 @@ class Backend:
     open_streams: int = 0
     most_streams: int = 0
     resets: int = 0
+    dropped: int = 0
+    """HTTP/2 connections mvproxy closed (or aborted) while the backend kept them."""
     period: float = 0.05
     max_streams: int = 100
     sessions: list[_H2] = field(default_factory=list)
+    hostile: dict[str, Callable[[_H2, int], Awaitable[None]]] = field(default_factory=dict)
+    """Path fragment -> how a hostile server answers it (raw frames, ``_H2.raw``)."""
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     server: asyncio.Server | None = None
 
@@ -103,6 +108,23 @@ class _H2:
         if data and not self.writer.is_closing():
             self.writer.write(data)
 
+    def raw(self, *frames: hyperframe.frame.Frame | bytes) -> None:
+        """Frames written as they are, beside h2's state machine (a hostile server)."""
+        self.flush()
+        if not self.writer.is_closing():
+            self.writer.write(b"".join(f if isinstance(f, bytes) else f.serialize()
+                                       for f in frames))
+
+    def head(self, stream_id: int, fields: list[tuple[bytes, bytes]], *,
+             end_stream: bool = False) -> None:
+        """A HEADERS frame of ``fields`` exactly as given (h2's own encoder, so the
+        connection's HPACK state stays shared), no checks."""
+        frame = hyperframe.frame.HeadersFrame(stream_id, self.conn.encoder.encode(fields))
+        frame.flags.add("END_HEADERS")
+        if end_stream:
+            frame.flags.add("END_STREAM")
+        self.raw(frame)
+
     def goaway(self) -> None:
         """A GOAWAY written beside h2, whose state machine would close every stream."""
         self.flush()
@@ -117,6 +139,7 @@ class _H2:
             while True:
                 data = await self.reader.read(65536)
                 if not data:
+                    self.backend.dropped += 1
                     return
                 try:
                     events = self.conn.receive_data(data)
@@ -127,6 +150,7 @@ class _H2:
                     self.on(event)
                 self.flush()
         except (ConnectionError, ssl.SSLError):
+            self.backend.dropped += 1
             return
         finally:
             for task in self.tasks.values():
@@ -140,8 +164,9 @@ class _H2:
             self.bodies[event.stream_id] = 0
             b.open_streams += 1
             b.most_streams = max(b.most_streams, b.open_streams)
-            if event.stream_ended is not None:
-                self.answer(event.stream_id)
+            path = dict(event.headers).get(":path", "")
+            if event.stream_ended is not None or any(f in path for f in b.hostile):
+                self.answer(event.stream_id)  # a hostile answer need not wait for the body
         elif isinstance(event, h2.events.DataReceived):
             self.bodies[event.stream_id] = self.bodies.get(event.stream_id, 0) + len(event.data)
             self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
@@ -181,7 +206,10 @@ class _H2:
     async def respond(self, stream_id: int, pseudo: dict[str, str], path: str,
                       headers: dict[str, list[str]]) -> None:
         try:
-            if "watch=true" in path:
+            hostile = next((f for f in self.backend.hostile if f in path), None)
+            if hostile is not None:
+                await asyncio.wait_for(self.backend.hostile[hostile](self, stream_id), WAIT)
+            elif "watch=true" in path:
                 self.conn.send_headers(stream_id, [(":status", "200"),
                                                    ("content-type", "application/json")])
                 n = 0
@@ -210,7 +238,7 @@ class _H2:
                 await self.send(stream_id, body)
                 self.conn.end_stream(stream_id)
                 self.flush()
-        except (h2.exceptions.ProtocolError, ConnectionError):
+        except (h2.exceptions.ProtocolError, ConnectionError, TimeoutError):
             pass
         finally:
             if self.heads.pop(stream_id, None) is not None:
