@@ -632,8 +632,17 @@ class StreamTransport(asyncio.Transport):
         self._lost_soon()
 
     def abort(self) -> None:
+        """The answer is cut. A watch cut between two events ends its stream as
+        kube-apiserver ends a watch, so client-go watches again as it does when an
+        HTTP/1.1 watch breaks (an early EOF is an end to it, a reset an error); the rest
+        is reset, so no client takes a cut answer for a whole one."""
         self.closing = True
-        if not self.ended:
+        conn = self.conn
+        if not self.ended and self.headers_sent and conn is not None \
+                and conn.watch_between_events():
+            self.end_due = True
+            self.send()
+        elif not self.ended:
             self._reset(ErrorCodes.INTERNAL_ERROR)
         self._lost_soon()
 

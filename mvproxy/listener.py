@@ -958,6 +958,15 @@ class DownstreamConnection(FlowControl):
         if self._active is not None and self._active.cancel_hook is not None:
             self._active.cancel_hook()
 
+    def watch_between_events(self) -> bool:
+        """Whether the request being answered is a JSON watch whose answer so far ends
+        between two events: ending it there is how kube-apiserver ends a watch, and
+        the client simply watches again (``end_for_shutdown``; HTTP/2 streams whose
+        upstream failed, where a reset would be an error to client-go, not an end)."""
+        active = self._active
+        return (active is not None and active.watch and active.started
+                and active.chunked_out and active.line_ended)
+
     def end_for_shutdown(self) -> None:
         """Shutdown ends this request: a chunked watch between two JSON events gets its
         last chunk, so the client sees the watch end as kube-apiserver ends it and

@@ -52,10 +52,13 @@ async def main(root: Path) -> None:
             gc.set_debug(gc.DEBUG_SAVEALL)
             for data, read in SCENARIOS.values():
                 await send(c.port, c.contexts["admin"], data, read=read)
+            leave = asyncio.Event()  # the client stays until measured, however slow
             stalled = asyncio.create_task(send(c.port, c.contexts["admin"], request(FLOOD),
-                                               read=False, read_for=30.0))
-            for _ in range(500):  # stalled once the kernel's buffers are full (≤ 25 s)
-                up = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
+                                               read=False, read_for=120.0, leave=leave))
+            deadline = asyncio.get_running_loop().time() + 90.0  # a loaded machine: slow
+            while asyncio.get_running_loop().time() < deadline:  # stalled once the
+                up = [conn for conn in ours(transport.UpstreamConnection)  # buffers fill
+                      if conn._paused_by]
                 if up:
                     break
                 await asyncio.sleep(0.05)
@@ -64,6 +67,7 @@ async def main(root: Path) -> None:
             [up] = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
             print("stalled:", json.dumps(stalled_bounds(down, up)))
             del down, up
+            leave.set()
             await stalled
             print("alive:", await ended_connections_are_gone(c, seen))
             gc.collect()

@@ -18,6 +18,7 @@ uvloop child; ``bench/memory.py`` measures the process's RSS).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -141,9 +142,10 @@ def no_collector() -> Iterator[None]:
 
 
 async def send(port: int, ctx: ssl.SSLContext, request: bytes, *, read: bool,
-               read_for: float = 1.0) -> None:
+               read_for: float = 1.0, leave: asyncio.Event | None = None) -> None:
     """One connection, one request; read the answer's first bytes (or never read at all,
-    with a tiny receive buffer); then drop the connection as a client that leaves."""
+    with a tiny receive buffer, for ``read_for`` seconds or until ``leave`` is set); then
+    drop the connection as a client that leaves."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -157,7 +159,11 @@ async def send(port: int, ctx: ssl.SSLContext, request: bytes, *, read: bool,
         await asyncio.sleep(0.2)  # a watch: let events flow for a while
     else:
         writer.transport.pause_reading()
-        await asyncio.sleep(read_for)  # every buffer between the backend and us fills
+        if leave is None:
+            await asyncio.sleep(read_for)  # every buffer between the backend and us fills
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(leave.wait(), read_for)
     writer.transport.abort()
 
 
