@@ -246,3 +246,28 @@ async def test_the_status_document_counts_connections_by_protocol(aiohttp_server
         assert counted["downstreamHTTP1"] >= 1
         _, page = await c.admin_get("/")
         assert 'id="connections"' in page and "1 HTTP/2 connections" in page
+
+
+async def test_a_watch_whose_upstream_dies_between_events_ends_and_a_list_is_reset(
+        aiohttp_server, root):
+    """A watch cut between two events ends its stream (client-go then watches again, as
+    after an HTTP/1.1 watch's early EOF); any other cut answer is reset, never ended."""
+    def routes(app: web.Application) -> None:
+        async def dying(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"type":"ADDED","object":{}}\n')
+            await asyncio.sleep(0.2)
+            request.transport.abort()  # the backend dies
+            return response
+        app.router.add_get("/api/v1/namespaces/default/events", dying)
+
+    async with cluster(aiohttp_server, root, backend_routes=routes) as c:
+        async with await RawH2.open(c.port, h2_context(c, "admin")) as conn:
+            watch = await conn.response(
+                conn.request("/api/v1/namespaces/default/events?watch=true"))
+            assert watch.status == 200 and watch.ended and watch.reset is None
+            assert bytes(watch.body) == b'{"type":"ADDED","object":{}}\n'
+            listed = await conn.response(conn.request("/api/v1/namespaces/default/events"))
+            assert listed.status == 200 and listed.reset == ErrorCodes.INTERNAL_ERROR
+            assert not listed.ended
