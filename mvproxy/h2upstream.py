@@ -115,7 +115,6 @@ class UpstreamSession:
         self.paused = False
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.splitter = GoawaySplitter(preface=False)
-        self._waiting: list[UpstreamStream] = []
         self.budget = float(CONTROL_BUDGET)
         self.budget_at = time.monotonic()
         self.h2.initiate_connection()
@@ -264,9 +263,6 @@ class UpstreamSession:
         self.pool.forget_session(self)
         for stream in list(self.streams.values()):
             stream.lost()
-        for stream in self._waiting:
-            stream.lost()
-        self._waiting.clear()
         self.streams.clear()
         self.transport = self.socket_transport = None
 
