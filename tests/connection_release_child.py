@@ -55,16 +55,26 @@ async def main(root: Path) -> None:
             leave = asyncio.Event()  # the client stays until measured, however slow
             stalled = asyncio.create_task(send(c.port, c.contexts["admin"], request(FLOOD),
                                                read=False, read_for=120.0, leave=leave))
-            deadline = asyncio.get_running_loop().time() + 90.0  # a loaded machine: slow
-            while asyncio.get_running_loop().time() < deadline:  # stalled once the
-                up = [conn for conn in ours(transport.UpstreamConnection)  # buffers fill
-                      if conn._paused_by]
-                if up:
-                    break
+            # Stalled once every buffer between the backend and the client is full: the
+            # upstream pauses and resumes while the kernel still takes bytes (longer on
+            # a loaded machine), so it must stay paused across a check half a second
+            # later. Bounded by time, not by scans, which a loaded machine slows.
+            deadline = asyncio.get_running_loop().time() + 90.0
+            paused: list = []
+            while asyncio.get_running_loop().time() < deadline:
+                paused = [conn for conn in ours(transport.UpstreamConnection)
+                          if conn._paused_by]
+                if paused:
+                    await asyncio.sleep(0.5)
+                    if paused[0]._paused_by:
+                        break
+                    paused = []
                 await asyncio.sleep(0.05)
+            assert paused, "no upstream connection stayed paused within 90 s"
             await asyncio.sleep(0.2)  # whatever was in flight has landed
             [down] = [conn for conn in ours(listener.DownstreamConnection) if not conn.ended]
-            [up] = [conn for conn in ours(transport.UpstreamConnection) if conn._paused_by]
+            up = paused[0]
+            del paused
             print("stalled:", json.dumps(stalled_bounds(down, up)))
             del down, up
             leave.set()

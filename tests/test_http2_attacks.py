@@ -370,7 +370,9 @@ async def test_an_upstream_that_reads_nothing_of_what_its_frames_make_mvproxy_se
         backend.hostile["hostile=closed"] = _closed_stream_flood(1_000_000)
         status, _, body = await _answer(session, base + HOSTILE + "closed")
         assert status == 200 and body == b"{}\n"  # the answer came whole first
-        await _until(lambda: backend.dropped > 0, "mvproxy to drop the connection")
+        # A million frames go through jh2 one by one: slow on a loaded machine.
+        await _until(lambda: backend.dropped > 0, "mvproxy to drop the connection",
+                     timeout=4 * WAIT)
         backend.hostile.clear()
         await healthy(base, session, daemon, backend, caplog, "frames on a closed stream")
         assert backend.connections["h2"] == 2

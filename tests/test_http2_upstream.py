@@ -59,9 +59,9 @@ async def _events(session: aiohttp.ClientSession, url: str, count: int) -> list[
     return seen
 
 
-async def _until(predicate, what: str) -> None:
+async def _until(predicate, what: str, timeout: float = WAIT) -> None:
     try:
-        async with asyncio.timeout(WAIT):
+        async with asyncio.timeout(timeout):
             while not predicate():  # noqa: ASYNC110 - the state is another server's
                 await asyncio.sleep(0.02)
     except TimeoutError:
