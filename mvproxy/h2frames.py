@@ -11,12 +11,41 @@ else is parsed), and ``goaway_frame`` builds the one mvproxy sends.
 
 from __future__ import annotations
 
+import re
+
 GOAWAY = 0x7
 PREFACE_LENGTH = 24
 """The client's connection preface (``PRI * HTTP/2.0...``), before its first frame."""
 MAX_GOAWAY_PAYLOAD = 16_384
 """A ``GOAWAY`` larger than the default frame size is refused: its debug data is
 all a peer could make mvproxy hold."""
+
+
+CONTROL_BUDGET = 1_000
+"""Frames that carry no request or answer (PING, SETTINGS, PRIORITY, unknown types, empty
+DATA) a peer may send in a burst, on either leg; ``CONTROL_REFILL`` per second come
+back. Each PING and SETTINGS makes mvproxy write an ACK, read or not. client-go sends a
+PING per 30 s idle and a few SETTINGS: honest peers never come near it."""
+CONTROL_REFILL = 100.0
+TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+"""A header name HTTP/1.1 reads as one (lowercase, as HTTP/2 requires)."""
+BAD_VALUE = re.compile(rb"[\r\n\x00]")
+"""What a header value must not hold to be written into HTTP/1.1 bytes."""
+
+
+class Budget:
+    """A token bucket: ``size`` spent at once at most, ``refill`` back per second."""
+
+    __slots__ = ("at", "left", "refill", "size")
+
+    def __init__(self, size: float, refill: float, now: float):
+        self.size, self.refill, self.left, self.at = size, refill, size, now
+
+    def spend(self, now: float) -> bool:
+        """One more; False once the budget is spent."""
+        self.left = min(self.size, self.left + (now - self.at) * self.refill) - 1
+        self.at = now
+        return self.left >= 0
 
 
 class GoawayError(ValueError):

@@ -50,7 +50,16 @@ from jh2.events import (
 from jh2.exceptions import ProtocolError
 from jh2.settings import SettingCodes, Settings
 
-from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
+from mvproxy.h2frames import (
+    BAD_VALUE,
+    CONTROL_BUDGET,
+    CONTROL_REFILL,
+    TOKEN,
+    Budget,
+    GoawayError,
+    GoawaySplitter,
+    goaway_frame,
+)
 from mvproxy.logs import V, kv
 from mvproxy.tls import current_context
 from mvproxy.transport import H2_RETRY_AFTER, Pool, UpstreamConnection
@@ -64,19 +73,10 @@ MAX_STREAMS = 100
 """Streams per connection mvproxy opens at most, whatever the server allows."""
 LAST_STREAM_ID = 2**31 - 1
 """Stream IDs end there (RFC 9113 §5.1.1): a connection that used them takes no more."""
-CONTROL_BUDGET = 1_000
-"""Frames that carry no answer (PING, SETTINGS, PRIORITY, unknown types, empty DATA,
-interim answers past ``INTERIM_FREE`` on a stream) a server may send in a burst;
-``CONTROL_REFILL`` per second come back. Each PING and SETTINGS makes mvproxy write
-an ACK, read or not: past the budget the connection is broken (as
-``http2.CONTROL_BUDGET`` for clients)."""
-CONTROL_REFILL = 100.0
 OUTBOUND_LIMIT = 1 << 20
 """Bytes mvproxy's writes to one upstream connection may queue unread: request DATA
 waits for it to drain, so only what jh2 answers on its own piles up (``RST_STREAM``
 for each frame on a closed stream reaches no event and no budget)."""
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _STATUS = re.compile(rb"[0-9]{3}\Z")
 _CONTROL = frozenset((PingReceived, PriorityUpdated, RemoteSettingsChanged,
                       UnknownFrameReceived))
@@ -115,8 +115,7 @@ class UpstreamSession:
         self.paused = False
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.splitter = GoawaySplitter(preface=False)
-        self.budget = float(CONTROL_BUDGET)
-        self.budget_at = time.monotonic()
+        self.budget = Budget(CONTROL_BUDGET, CONTROL_REFILL, time.monotonic())
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(MAX_STREAMS * STREAM_WINDOW)
         transport.set_protocol(cast(asyncio.Protocol, self))  # called by name
@@ -240,11 +239,7 @@ class UpstreamSession:
     def _spend(self) -> bool:
         """One frame that carries no answer; False (the connection aborted) once the
         budget is spent."""
-        now = time.monotonic()
-        self.budget = min(float(CONTROL_BUDGET),
-                          self.budget + (now - self.budget_at) * CONTROL_REFILL) - 1
-        self.budget_at = now
-        if self.budget >= 0:
+        if self.budget.spend(time.monotonic()):
             return True
         log.log(V(2), "upstream HTTP/2 connection broken", extra=kv(
             upstream=self.pool.upstream.name, error="too many frames that carry no answer"))
@@ -473,11 +468,11 @@ class UpstreamStream(asyncio.Transport):
         one whose connection broke, the fields never fed to the parser."""
         why = ""
         for name, value in headers:
-            if _BAD_VALUE.search(value):
+            if BAD_VALUE.search(value):
                 why = "a field value holds CR, LF or NUL"
             elif name == b":status":
                 why = "" if _STATUS.match(value) else ":status is not three digits"
-            elif not _TOKEN.match(name):
+            elif not TOKEN.match(name):
                 why = "a field name is not a token"
             if why:
                 break

@@ -69,7 +69,16 @@ from jh2.events import (
 from jh2.exceptions import ProtocolError
 from jh2.settings import SettingCodes, Settings
 
-from mvproxy.h2frames import GoawayError, GoawaySplitter, goaway_frame
+from mvproxy.h2frames import (
+    BAD_VALUE,
+    CONTROL_BUDGET,
+    CONTROL_REFILL,
+    TOKEN,
+    Budget,
+    GoawayError,
+    GoawaySplitter,
+    goaway_frame,
+)
 from mvproxy.identity import Kind
 from mvproxy.kubestatus import status_bytes
 from mvproxy.listener import DownstreamConnection, Listener
@@ -80,11 +89,6 @@ log = logging.getLogger(__name__)
 STREAM_WINDOW = 65_535
 """The window each stream's request body gets (HTTP/2's default): what one stalled
 upload holds at most, besides what its consumer buffered (``BODY_HIGH_WATER``)."""
-CONTROL_BUDGET = 1_000
-"""Frames that make no request a connection may send in a burst; ``CONTROL_REFILL`` per
-second come back. client-go sends a PING per 30 s idle and a few SETTINGS: honest
-clients never come near it; a flood ends its connection within a second."""
-CONTROL_REFILL = 100.0
 OUTBOUND_LIMIT = 1 << 20
 """Bytes mvproxy's writes to one client may queue unread. DATA waits for the TLS
 connection to drain, so only what jh2 answers on its own piles up (``RST_STREAM`` for
@@ -95,8 +99,6 @@ REFUSED_LIMIT = 2
 ended (a budget that refills by the limit per second), as a multiple of that limit,
 before the connection ends with ``ENHANCE_YOUR_CALM``: a client that ignores the
 limit, or resets its streams to open more (CVE-2023-44487), is not honest."""
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _AUTHORITY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@\[\]%]*\Z")
 _DROPPED_OUT = frozenset((b"connection", b"keep-alive", b"proxy-connection",
                           b"transfer-encoding", b"upgrade"))
@@ -165,10 +167,9 @@ class Session:
         self.working: list[StreamTransport] = []
         """Streams whose handler has not ended, reset or not: what the limit counts."""
         self.refused = 0
-        self.resets = float(REFUSED_LIMIT * settings.max_concurrent_streams)
-        self.resets_at = self.loop.time()
-        self.budget = float(CONTROL_BUDGET)
-        self.budget_at = self.loop.time()
+        limit = settings.max_concurrent_streams
+        self.resets = Budget(REFUSED_LIMIT * limit, limit, self.loop.time())
+        self.budget = Budget(CONTROL_BUDGET, CONTROL_REFILL, self.loop.time())
         self.goaway_sent = False
         self.closed = False
         self.splitter = GoawaySplitter(preface=True)
@@ -255,12 +256,7 @@ class Session:
     def _spend(self) -> bool:
         """One frame that makes no request; False (and the connection ending) once the
         budget is spent."""
-        now = self.loop.time()
-        self.budget = min(float(CONTROL_BUDGET),
-                          self.budget + (now - self.budget_at) * CONTROL_REFILL)
-        self.budget_at = now
-        self.budget -= 1
-        if self.budget >= 0:
+        if self.budget.spend(self.loop.time()):
             return True
         self._defend("flood", "too many frames that make no request",
                      ErrorCodes.ENHANCE_YOUR_CALM)
@@ -271,12 +267,7 @@ class Session:
         once, so the concurrency limit alone would let a client open and reset streams
         as fast as it writes (CVE-2023-44487): resets spend a budget of
         ``REFUSED_LIMIT`` times the limit that refills by the limit per second."""
-        limit = self.settings.max_concurrent_streams
-        now = self.loop.time()
-        self.resets = min(float(REFUSED_LIMIT * limit),
-                          self.resets + (now - self.resets_at) * limit) - 1
-        self.resets_at = now
-        if self.resets >= 0:
+        if self.resets.spend(self.loop.time()):
             return True
         self._defend("rapid_reset", "streams reset before their answer ended",
                      ErrorCodes.ENHANCE_YOUR_CALM)
@@ -711,7 +702,7 @@ def request_head(headers: list[tuple[bytes, bytes]],
     length = b""
     has_auth = False
     for name, value in headers:
-        if _BAD_VALUE.search(value):
+        if BAD_VALUE.search(value):
             return b"", "a header value holds CR, LF or NUL", method, has_auth
         if name[:1] == b":":
             if name == b":method":
@@ -721,7 +712,7 @@ def request_head(headers: list[tuple[bytes, bytes]],
             elif name == b":authority":
                 authority = value
             continue
-        if not _TOKEN.match(name):
+        if not TOKEN.match(name):
             return b"", "a header name is not a lowercase token", method, has_auth
         if name == b"cookie":
             cookies.append(value)
@@ -740,7 +731,7 @@ def request_head(headers: list[tuple[bytes, bytes]],
         lines.append(name + b": " + value + b"\r\n")
     if method == b"CONNECT":
         return b"", "", method, has_auth
-    if not _TOKEN.match(method.lower()):
+    if not TOKEN.match(method.lower()):
         return b"", "the method is not a token", method, has_auth
     if not path.startswith(b"/") or b" " in path or b"#" in path:
         return b"", ":path must be an origin-form path (/...)", method, has_auth
